@@ -1,0 +1,67 @@
+"""Version-sensitive JAX and Pallas imports, in one place.
+
+pallasopt supports jax >= 0.10, < 0.13. Names that moved between those
+releases are resolved here so the kernels import one stable spelling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = [
+    "JAX_VERSION",
+    "pl",
+    "pltpu",
+    "pltriton",
+    "TPUCompilerParams",
+    "TritonCompilerParams",
+    "shard_map",
+    "lowering_platform",
+]
+
+JAX_VERSION: tuple[int, ...] = tuple(
+    int(part) for part in jax.__version__.split(".")[:3] if part.isdigit()
+)
+
+TPUCompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(
+    pltpu, "TPUCompilerParams"
+)
+TritonCompilerParams = getattr(pltriton, "CompilerParams", None) or getattr(
+    pltriton, "TritonCompilerParams"
+)
+
+if hasattr(jax, "shard_map"):
+  shard_map = jax.shard_map
+else:  # pragma: no cover - jax < 0.10 is outside the supported range.
+  from jax.experimental.shard_map import shard_map  # type: ignore[no-redef]
+
+
+_DEVICE_KIND = {"tpu": "TPU v5 lite", "cuda": "NVIDIA H100 80GB HBM3"}
+
+
+@contextlib.contextmanager
+def lowering_platform(platform: str) -> Iterator[None]:
+  """Context for lowering a function for `platform` from a host without it.
+
+  From jax 0.11 on, Pallas reads the target device from the abstract mesh while
+  lowering; outside a real device of that kind it must be supplied. On older
+  releases this is a no-op.
+
+  Args:
+    platform: ``"tpu"`` or ``"cuda"``.
+  """
+  if JAX_VERSION < (0, 11):
+    yield
+    return
+  device = jax.sharding.AbstractDevice(
+      device_kind=_DEVICE_KIND[platform], num_cores=None, platform=platform
+  )
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    yield

@@ -1,0 +1,202 @@
+r"""Fused AdamW: one pass over (p, g, m, v) per leaf.
+
+With step :math:`t \ge 1`, gradient :math:`g`, and the decoupled weight decay of
+Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+<https://arxiv.org/abs/1711.05101>`_ (2019), as Optax applies it:
+
+.. math::
+
+  m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g \\
+  v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g^2 \\
+  \hat m &= m_t / (1 - \beta_1^t)
+     \quad\text{or, with Nesterov (Dozat, 2016),}\quad
+     \beta_1 m_t / (1 - \beta_1^{t+1}) + (1 - \beta_1) g / (1 - \beta_1^t) \\
+  \hat v &= v_t / (1 - \beta_2^t) \\
+  u &= -\eta \left(\hat m / (\sqrt{\hat v + \epsilon_{root}} + \epsilon)
+       + \lambda p\right)
+
+The term :math:`\lambda p` is present only where weight decay applies
+(``decay=True``). Two modes share that math:
+
+* *apply* (`adamw_apply`): reads p, g, m, v and writes p + u, m, v in place,
+  28 bytes per f32 parameter;
+* *updates* (`adamw_updates`): writes u, m, v (the Optax contract), reading p
+  only when it decays; the caller's ``optax.apply_updates`` adds a pass.
+
+Math is f32 inside the kernel whatever the operand dtypes (f32 or bf16); the
+moments keep their dtypes (``m`` may be ``mu_dtype``). Every per-step number is
+an `AdamWScalars` field, passed to the kernel as data.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallasopt.kernels._dispatch import dispatch
+from pallasopt.kernels._elementwise import elementwise_call
+
+__all__ = [
+    "AdamWScalars",
+    "adamw_scalars",
+    "adamw_reference",
+    "adamw_kernel",
+    "adamw_apply",
+    "adamw_updates",
+    "FLOPS_PER_ELEMENT",
+]
+
+# Multiply-adds of both moments, bias corrections, the rescale, decay, lr, add.
+FLOPS_PER_ELEMENT = 18
+
+
+class AdamWScalars(NamedTuple):
+  """Per-step scalars of an AdamW update; every field is a 0-d value."""
+
+  learning_rate: jax.typing.ArrayLike
+  b1: jax.typing.ArrayLike
+  b2: jax.typing.ArrayLike
+  eps: jax.typing.ArrayLike
+  eps_root: jax.typing.ArrayLike
+  weight_decay: jax.typing.ArrayLike
+  bias_correction1: jax.typing.ArrayLike  # 1 - b1**t
+  bias_correction2: jax.typing.ArrayLike  # 1 - b2**t
+  bias_correction1_next: jax.typing.ArrayLike  # 1 - b1**(t+1), for Nesterov
+
+
+def adamw_scalars(
+    count: jax.typing.ArrayLike,
+    learning_rate: jax.typing.ArrayLike,
+    b1: jax.typing.ArrayLike,
+    b2: jax.typing.ArrayLike,
+    eps: jax.typing.ArrayLike,
+    eps_root: jax.typing.ArrayLike,
+    weight_decay: jax.typing.ArrayLike,
+) -> AdamWScalars:
+  """Builds the scalars of step ``count`` (``t``, counted from 1)."""
+  count = jnp.asarray(count)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return AdamWScalars(
+      learning_rate=f32(learning_rate),
+      b1=f32(b1),
+      b2=f32(b2),
+      eps=f32(eps),
+      eps_root=f32(eps_root),
+      weight_decay=f32(weight_decay),
+      bias_correction1=f32(1 - b1**count),
+      bias_correction2=f32(1 - b2**count),
+      bias_correction1_next=f32(1 - b1 ** (count + 1)),
+  )
+
+
+def _adamw_math(s: AdamWScalars, g, m, v, p, *, nesterov: bool, decay: bool):
+  """The update on f32 values: returns (u, m, v)."""
+  m = s.b1 * m + (1 - s.b1) * g
+  v = s.b2 * v + (1 - s.b2) * (g * g)
+  if nesterov:
+    m_hat = s.b1 * (m / s.bias_correction1_next) + (1 - s.b1) * (g / s.bias_correction1)
+  else:
+    m_hat = m / s.bias_correction1
+  v_hat = v / s.bias_correction2
+  u = m_hat / (jnp.sqrt(v_hat + s.eps_root) + s.eps)
+  if decay:
+    u = u + s.weight_decay * p
+  return -s.learning_rate * u, m, v
+
+
+def _check_mode(mode: str, p, decay: bool) -> None:
+  if mode not in ("apply", "updates"):
+    raise ValueError(f"mode must be 'apply' or 'updates'; got {mode!r}.")
+  if p is None and (mode == "apply" or decay):
+    raise ValueError(f"p is required in {mode!r} mode{' with decay' if decay else ''}.")
+
+
+def _updates_dtype(p, g, m, v):
+  return jnp.result_type(*(x.dtype for x in (p, g, m, v) if x is not None))
+
+
+def adamw_reference(p, g, m, v, scalars: AdamWScalars, *, mode: str, nesterov: bool, decay: bool):
+  """Pure-jnp AdamW; the XLA path and the kernels' specification.
+
+  Args:
+    p: params, or None in ``"updates"`` mode without decay.
+    g: gradient, same shape as ``p``.
+    m: first moment (any float dtype, e.g. ``mu_dtype``).
+    v: second moment.
+    scalars: `AdamWScalars` of this step.
+    mode: ``"apply"`` returns ``(p + u, m, v)``; ``"updates"`` returns
+      ``(u, m, v)``.
+    nesterov: use Nesterov momentum (NAdamW).
+    decay: add the decoupled weight decay term.
+  """
+  _check_mode(mode, p, decay)
+  s = AdamWScalars(*(jnp.asarray(x, jnp.float32) for x in scalars))
+  f32 = lambda x: None if x is None else x.astype(jnp.float32)
+  u, m_new, v_new = _adamw_math(s, f32(g), f32(m), f32(v), f32(p), nesterov=nesterov, decay=decay)
+  if mode == "apply":
+    first = (f32(p) + u).astype(p.dtype)
+  else:
+    first = u.astype(_updates_dtype(p, g, m, v))
+  return first, m_new.astype(m.dtype), v_new.astype(v.dtype)
+
+
+def adamw_kernel(
+    p, g, m, v, scalars: AdamWScalars, *, mode: str, nesterov: bool, decay: bool,
+    backend: str, interpret: bool = False,
+):
+  """Pallas AdamW, same signature and results as `adamw_reference`.
+
+  In ``"apply"`` mode p, m and v are aliased to the outputs; in ``"updates"``
+  mode m and v are. Donate them in the enclosing jit to update in place.
+
+  Args:
+    backend: ``"tpu"`` or ``"triton"``.
+    interpret: run in the Pallas interpreter.
+  """
+  _check_mode(mode, p, decay)
+  with_p = p is not None and (mode == "apply" or decay)
+  operands = [g, m, v] + ([p] if with_p else [])
+
+  def body(scalars, g, m, v, *maybe_p):
+    p = maybe_p[0] if maybe_p else None
+    u, m, v = _adamw_math(AdamWScalars(*scalars), g, m, v, p, nesterov=nesterov, decay=decay)
+    return ((p + u) if mode == "apply" else u), m, v
+
+  if mode == "apply":
+    first_dtype, aliases = p.dtype, {3: 0, 1: 1, 2: 2}
+  else:
+    first_dtype, aliases = _updates_dtype(p, g, m, v), {1: 1, 2: 2}
+  return elementwise_call(
+      body, operands, tuple(scalars), (first_dtype, m.dtype, v.dtype),
+      backend=backend, interpret=interpret, name=f"adamw_{mode}",
+      aliases=aliases, flops_per_element=FLOPS_PER_ELEMENT,
+      transcendentals_per_element=1,
+  )
+
+
+def adamw_apply(
+    p, g, m, v, scalars: AdamWScalars, *, nesterov: bool = False,
+    decay: bool = True, impl: str = "auto",
+):
+  """One fused AdamW step: returns ``(p + u, m, v)``.
+
+  Args:
+    p, g, m, v: one leaf's params, gradient and moments (f32 or bf16).
+    scalars: `AdamWScalars` of this step (see `adamw_scalars`).
+    nesterov: Nesterov momentum (NAdamW).
+    decay: whether weight decay applies to this leaf.
+    impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`).
+  """
+  fn = dispatch(adamw_reference, adamw_kernel, impl)
+  return fn(p, g, m, v, scalars, mode="apply", nesterov=nesterov, decay=decay)
+
+
+def adamw_updates(
+    p, g, m, v, scalars: AdamWScalars, *, nesterov: bool = False,
+    decay: bool = True, impl: str = "auto",
+):
+  """AdamW in Optax form: returns ``(u, m, v)``; ``p`` may be None without decay."""
+  fn = dispatch(adamw_reference, adamw_kernel, impl)
+  return fn(p, g, m, v, scalars, mode="updates", nesterov=nesterov, decay=decay)

@@ -1,0 +1,1 @@
+"""Optax transforms backed by pallasopt's fused kernels."""

@@ -1,0 +1,1 @@
+"""Pipeline-parallel training built on `pallasopt.optim`."""
