@@ -1,0 +1,90 @@
+"""The fused-transform type and the `apply_gradients` entry point."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optax
+
+__all__ = ["FusedGradientTransformation", "apply_gradients"]
+
+ApplyFn = Callable[[optax.Params, optax.Updates, optax.OptState], tuple[optax.Params, optax.OptState]]
+
+
+class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
+  """An Optax transform that can also apply gradients in one fused pass.
+
+  It *is* a `optax.GradientTransformationExtraArgs`: ``init`` and ``update``
+  keep the Optax contract, so it composes with ``optax.chain``,
+  ``optax.masked``, ``optax.MultiSteps`` and the rest. In addition,
+  ``apply_gradients(params, grads, opt_state) -> (params, opt_state)`` runs the
+  update and its application to the params as one kernel per leaf, writing
+  params and state in place. Prefer the module-level `apply_gradients`, which
+  also accepts transforms that are not fused.
+  """
+
+  # A NamedTuple subclass cannot add fields without breaking the
+  # ``init, update = tx`` unpacking that optax.chain relies on, so the fused
+  # path is an instance attribute.
+  apply_gradients: ApplyFn
+
+  def __new__(cls, init, update, apply_gradients: ApplyFn):
+    self = super().__new__(cls, init, update)
+    self.apply_gradients = apply_gradients
+    return self
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    params: optax.Params,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+) -> tuple[optax.Params, optax.OptState]:
+  """Applies one optimizer step and returns ``(new_params, new_opt_state)``.
+
+  For a pallasopt transform this is the fused path: one kernel per leaf reads
+  params, grads and state once and writes params and state in place (28 bytes
+  per f32 parameter for AdamW against 40 for ``update`` followed by
+  ``optax.apply_updates``). The in-place write needs the old buffers donated::
+
+    @functools.partial(jax.jit, donate_argnums=(0, 2))
+    def step(params, grads, opt_state):
+      return pallasopt.optim.apply_gradients(tx, params, grads, opt_state)
+
+  Without donation the result is the same, and XLA copies the buffers first.
+  For any other transform (e.g. an ``optax.chain``) it falls back to
+  ``tx.update`` and ``optax.apply_updates``, so a training loop can always
+  call it.
+
+  Args:
+    tx: the optimizer.
+    params: current parameters.
+    grads: gradients, with the structure of `params`.
+    opt_state: ``tx``'s state for `params`.
+  """
+  if isinstance(tx, FusedGradientTransformation):
+    return tx.apply_gradients(params, grads, opt_state)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def _has_count(state: Any) -> bool:
+  # NamedTuple states are tuples, whose `count` *method* hasattr would find.
+  return "count" in getattr(state, "_fields", ())
+
+
+def schedule_count(state: Any):
+  """The step counter of an Optax schedule state (possibly masked), or None."""
+  if isinstance(state, optax.MaskedState):
+    return schedule_count(state.inner_state)
+  return state.count if _has_count(state) else None
+
+
+def advance_schedule(state: Any) -> Any:
+  """`state` with its schedule counter (if any) incremented, as Optax does."""
+  if isinstance(state, optax.MaskedState):
+    return state._replace(inner_state=advance_schedule(state.inner_state))
+  if _has_count(state):
+    return state._replace(count=optax.safe_increment(state.count))
+  return state

@@ -1,0 +1,133 @@
+"""Input checks shared by every pallasopt transform.
+
+Each check raises at trace time with a message that names the argument, the
+leaf path (`jax.tree_util.keystr`) and what was expected, because a fused kernel
+fed a mismatched tree or an unsupported dtype would otherwise fail deep inside
+Pallas, or silently compute something meaningless.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_SUPPORTED_NAMES = "float32, bfloat16"
+
+
+def keyed_leaves(tree: Any) -> list[tuple[str, Any]]:
+  """The leaves of `tree` with their key paths rendered as strings."""
+  return [
+      (jax.tree_util.keystr(path) or "<root>", leaf)
+      for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  ]
+
+
+def check_same_tree(owner: str, name: str, tree: Any, ref_name: str, ref_tree: Any) -> None:
+  """`tree` must have `ref_tree`'s structure and leaf shapes."""
+  struct, ref_struct = jax.tree.structure(tree), jax.tree.structure(ref_tree)
+  if struct != ref_struct:
+    got = {p for p, _ in keyed_leaves(tree)}
+    want = {p for p, _ in keyed_leaves(ref_tree)}
+    details = []
+    if want - got:
+      details.append(f"missing in {name}: {sorted(want - got)[:5]}")
+    if got - want:
+      details.append(f"unexpected in {name}: {sorted(got - want)[:5]}")
+    raise ValueError(
+        f"{owner}: {name} must have the same tree structure as {ref_name}. "
+        + ("; ".join(details) if details else f"{name}: {struct}; {ref_name}: {ref_struct}")
+    )
+  for (path, leaf), (_, ref_leaf) in zip(keyed_leaves(tree), keyed_leaves(ref_tree)):
+    if jnp.shape(leaf) != jnp.shape(ref_leaf):
+      raise ValueError(
+          f"{owner}: {name}{path} has shape {jnp.shape(leaf)} but "
+          f"{ref_name}{path} has shape {jnp.shape(ref_leaf)}; they must match."
+      )
+
+
+def check_float_leaves(owner: str, name: str, tree: Any) -> None:
+  """Every leaf of `tree` must have a dtype the kernels take."""
+  for path, leaf in keyed_leaves(tree):
+    dtype = jnp.result_type(leaf)
+    if dtype not in SUPPORTED_DTYPES:
+      raise TypeError(
+          f"{owner}: {name}{path} has dtype {dtype}; supported dtypes are "
+          f"{_SUPPORTED_NAMES}."
+      )
+
+
+def _concrete_value(value: Any) -> float | None:
+  """The float value of a concrete scalar; None for tracers and schedules."""
+  if callable(value) or isinstance(value, jax.core.Tracer):
+    return None
+  try:
+    array = np.asarray(value)
+  except (TypeError, jax.errors.TracerArrayConversionError):
+    return None
+  if array.shape != () or not np.issubdtype(array.dtype, np.number):
+    return None
+  return float(array)
+
+
+def check_hyperparameter(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    low: float = 0.0,
+    high: float = math.inf,
+    high_inclusive: bool = True,
+) -> None:
+  """A concrete hyperparameter must be finite and within ``[low, high]``.
+
+  Traced values (``optax.inject_hyperparams``) and schedules cannot be checked
+  ahead of time and pass through.
+  """
+  x = _concrete_value(value)
+  if x is None:
+    return
+  above = x > high if high_inclusive else x >= high
+  if math.isnan(x) or x < low or above:
+    bound = "]" if high_inclusive else ")"
+    raise ValueError(
+        f"{owner}: {name} must be in [{low}, {high}{bound}; got {value!r}."
+    )
+
+
+def broadcast_mask(
+    owner: str, mask: Any | Callable[[Any], Any] | None, tree: Any
+) -> list[bool]:
+  """Per-leaf booleans from an Optax-style mask (a prefix tree or a callable).
+
+  Args:
+    owner: the transform's name, for messages.
+    mask: None (every leaf True), a tree of bools with `tree`'s structure or a
+      prefix of it, or a callable returning such a tree from `tree`.
+    tree: the tree the mask applies to.
+  """
+  leaves = keyed_leaves(tree)
+  if mask is None:
+    return [True] * len(leaves)
+  mask_tree = mask(tree) if callable(mask) else mask
+  try:
+    full = jax.tree.map(
+        lambda m, sub: jax.tree.map(lambda _: m, sub), mask_tree, tree
+    )
+  except ValueError as e:
+    raise ValueError(
+        f"{owner}: mask must have the structure of the params or a prefix of it; {e}"
+    ) from None
+  flags = []
+  for (path, _), flag in zip(leaves, jax.tree.leaves(full)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(
+          f"{owner}: mask{path} must be a Python bool; got {type(flag).__name__}."
+      )
+    flags.append(bool(flag))
+  return flags
