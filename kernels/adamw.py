@@ -58,6 +58,9 @@ class AdamWScalars(NamedTuple):
   learning_rate: jax.typing.ArrayLike
   b1: jax.typing.ArrayLike
   b2: jax.typing.ArrayLike
+  # 1 - b, computed before rounding b to f32 (a float32 1 - b2 loses ~2e-6).
+  one_minus_b1: jax.typing.ArrayLike
+  one_minus_b2: jax.typing.ArrayLike
   eps: jax.typing.ArrayLike
   eps_root: jax.typing.ArrayLike
   weight_decay: jax.typing.ArrayLike
@@ -82,6 +85,8 @@ def adamw_scalars(
       learning_rate=f32(learning_rate),
       b1=f32(b1),
       b2=f32(b2),
+      one_minus_b1=f32(1 - b1),
+      one_minus_b2=f32(1 - b2),
       eps=f32(eps),
       eps_root=f32(eps_root),
       weight_decay=f32(weight_decay),
@@ -93,10 +98,10 @@ def adamw_scalars(
 
 def _adamw_math(s: AdamWScalars, g, m, v, p, *, nesterov: bool, decay: bool):
   """The update on f32 values: returns (u, m, v)."""
-  m = s.b1 * m + (1 - s.b1) * g
-  v = s.b2 * v + (1 - s.b2) * (g * g)
+  m = s.b1 * m + s.one_minus_b1 * g
+  v = s.b2 * v + s.one_minus_b2 * (g * g)
   if nesterov:
-    m_hat = s.b1 * (m / s.bias_correction1_next) + (1 - s.b1) * (g / s.bias_correction1)
+    m_hat = s.b1 * (m / s.bias_correction1_next) + s.one_minus_b1 * (g / s.bias_correction1)
   else:
     m_hat = m / s.bias_correction1
   v_hat = v / s.bias_correction2

@@ -1,0 +1,35 @@
+"""Test configuration shared by every test module.
+
+Eight fake CPU devices (for sharding and shard_map tests) must be requested
+before JAX initialises its backends, so this runs before any test imports jax.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# `ci` bounds the run time on the 2-core CI machine; `dev` explores more;
+# `thorough` is for a long local sweep (HYPOTHESIS_PROFILE=thorough).
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+settings.register_profile("ci", max_examples=8, derandomize=True, **_COMMON)
+settings.register_profile("dev", max_examples=25, **_COMMON)
+settings.register_profile("thorough", max_examples=300, **_COMMON)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.default_backend() != 'gpu')")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+

@@ -1,0 +1,91 @@
+"""The shared kernel machinery: tiling plans and implementation dispatch."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, strategies as st
+
+from pallasopt import kernels
+from pallasopt.kernels import _dispatch
+from pallasopt.kernels._tiling import LANES, plan_tiles
+
+
+def _legal_for_tpu(view, block):
+  rows_ok = block[0] % 8 == 0 or block[0] == view[0]
+  lanes_ok = block[1] % LANES == 0 or block[1] == view[1]
+  return rows_ok and lanes_ok
+
+
+@given(
+    size=st.one_of(st.sampled_from([1, 7, 127, 128, 129, 2048, 1_000_003, 2**24]), st.integers(1, 10**7)),
+    backend=st.sampled_from(["tpu", "triton"]),
+)
+def test_plan_is_legal_for_both_targets_and_covers_the_leaf(size, backend):
+  plan = plan_tiles(size, backend)
+  assert math.prod(plan.view_shape) == size
+  assert _legal_for_tpu(plan.view_shape, plan.block_shape)
+  count = math.prod(plan.block_shape)
+  assert count & (count - 1) == 0 and count <= 2**20  # Triton: power of two.
+  assert all(g * b >= d for g, b, d in zip(plan.grid, plan.block_shape, plan.view_shape))
+  assert all((g - 1) * b < d for g, b, d in zip(plan.grid, plan.block_shape, plan.view_shape))
+
+
+def test_plan_views_multiples_of_128_as_rows_and_others_flat():
+  assert plan_tiles(37 * 128, "triton").view_shape == (37, 128)
+  assert plan_tiles(37 * 128, "triton").ragged
+  assert plan_tiles(1_000_003, "tpu").view_shape == (1, 1_000_003)
+  assert plan_tiles(512 * 128, "tpu").grid == (1, 1)
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_plan_rejects_empty_sizes(bad):
+  with pytest.raises(ValueError, match="empty leaf"):
+    plan_tiles(bad, "tpu")
+
+
+def test_plan_rejects_unknown_backend():
+  with pytest.raises(ValueError, match="backend must be"):
+    plan_tiles(128, "rocm")
+
+
+def test_resolve_impl_precedence(monkeypatch):
+  monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+  assert kernels.resolve_impl() == "auto"
+  monkeypatch.setenv(_dispatch.ENV_VAR, "xla")
+  assert kernels.resolve_impl() == "xla"
+  with kernels.use_impl("interpret"):
+    assert kernels.resolve_impl() == "interpret"
+    assert kernels.resolve_impl("pallas") == "pallas"  # explicit wins
+    with kernels.use_impl("xla"):
+      assert kernels.resolve_impl() == "xla"
+    assert kernels.resolve_impl() == "interpret"
+  assert kernels.resolve_impl() == "xla"
+
+
+def test_bad_impl_values_are_named(monkeypatch):
+  with pytest.raises(ValueError, match="impl must be one of"):
+    kernels.resolve_impl("cuda")
+  with pytest.raises(ValueError, match=r"use_impl\(impl\) must be one of"):
+    with kernels.use_impl("fast"):
+      pass
+  monkeypatch.setenv(_dispatch.ENV_VAR, "triton")
+  with pytest.raises(ValueError, match=r"\$PALLASOPT_IMPL must be one of"):
+    kernels.resolve_impl()
+
+
+def _kernel_calls(impl):
+  s = kernels.adamw_scalars(1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0)
+  x = jnp.ones((256,))
+  jaxpr = jax.make_jaxpr(lambda *a: kernels.adamw_apply(*a, s, impl=impl))(x, x, x, x)
+  return str(jaxpr)
+
+
+def test_auto_carries_every_platform_branch_and_xla_carries_none():
+  auto = _kernel_calls("auto")
+  assert auto.count("pallas_call") == 2  # Mosaic TPU + Triton; default is XLA.
+  assert "platform_index" in auto
+  assert "pallas_call" not in _kernel_calls("xla")
+  interpret = _kernel_calls("interpret")
+  assert interpret.count("pallas_call") == 1 and "platform_index" not in interpret
