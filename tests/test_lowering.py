@@ -1,0 +1,77 @@
+"""Every kernel lowers for TPU (Mosaic) and CUDA (Triton) from this CPU host.
+
+This proves the Pallas-level rules (block shapes, dtypes, scalar memory
+spaces, compiler params), not device compilation or speed. Arguments are
+`jax.ShapeDtypeStruct`s, so large leaves cost nothing to lower.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import pallasopt
+from pallasopt.kernels import _compat, adamw as adamw_k
+
+_CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+# Export refuses custom calls without a stability guarantee unless told.
+_DISABLED = {
+    "tpu": (),
+    "cuda": (jax.export.DisabledSafetyCheck.custom_call(_CUSTOM_CALL["cuda"]),),
+}
+SIZES = [(), (7,), (37, 128), (3, 5, 7, 11), (1_000_003,), (4096, 1024)]
+PLATFORMS = ["tpu", "cuda"]
+
+
+def lowered_text(fn, platform, *args) -> str:
+  with _compat.lowering_platform(platform):
+    exported = jax.export.export(
+        jax.jit(fn), platforms=[platform], disabled_checks=_DISABLED[platform]
+    )(*args)
+  return exported.mlir_module()
+
+
+def _sds(shape, dtype=jnp.float32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("shape", SIZES, ids=str)
+@pytest.mark.parametrize(
+    "mode,nesterov,decay,dtypes",
+    [
+        ("apply", False, True, (jnp.float32,) * 4),
+        ("apply", True, True, (jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.bfloat16)),
+        ("updates", False, False, (jnp.float32,) * 4),
+        ("updates", True, True, (jnp.bfloat16,) * 4),
+    ],
+)
+def test_adamw_kernel_lowers(platform, shape, mode, nesterov, decay, dtypes):
+  p, g, m, v = (_sds(shape, d) for d in dtypes)
+  scalars = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
+  entry = adamw_k.adamw_apply if mode == "apply" else adamw_k.adamw_updates
+  fn = lambda p, g, m, v, s: entry(p, g, m, v, s, nesterov=nesterov, decay=decay, impl="auto")
+  text = lowered_text(fn, platform, p, g, m, v, scalars)
+  assert text.count(_CUSTOM_CALL[platform]) >= 1
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_adamw_transform_lowers_with_one_kernel_per_leaf(platform):
+  params = {"w": _sds((768, 3072)), "b": _sds((3072,)), "ln": _sds((7,), jnp.bfloat16), "s": _sds(())}
+  tx = pallasopt.optim.adamw(optax.cosine_decay_schedule(1e-3, 100), weight_decay=0.1,
+                             mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+  state = jax.eval_shape(tx.init, params)
+  fused = functools.partial(pallasopt.optim.apply_gradients, tx)
+  text = lowered_text(fused, platform, params, params, state)
+  assert text.count(_CUSTOM_CALL[platform]) == len(params)
+  update = lambda p, g, s: tx.update(g, s, p)
+  assert lowered_text(update, platform, params, params, state).count(_CUSTOM_CALL[platform]) == len(params)
+
+
+def test_auto_on_cpu_lowers_to_plain_xla():
+  x = _sds((256,))
+  scalars = adamw_k.adamw_scalars(jnp.int32(1), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
+  fn = jax.jit(lambda *a: adamw_k.adamw_apply(*a, impl="auto"))
+  assert "custom_call" not in fn.lower(x, x, x, x, scalars).as_text()
