@@ -1,9 +1,12 @@
-"""Hypothesis strategies and data builders shared by the tests."""
+"""Strategies, data builders and comparisons shared by the tests."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from hypothesis import strategies as st
+
+from pallasopt.kernels import _compat
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -46,3 +49,89 @@ def assert_close(actual, expected, rtol, err_msg=""):
   assert np.all(np.isfinite(expected)), f"non-finite expectation {err_msg}"
   scale = max(float(np.max(np.abs(expected), initial=0.0)), 1e-30)
   np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale, err_msg=err_msg)
+
+
+def assert_trees_close(got, want, rtol=2e-6):
+  """Same structure, same leaf dtypes, and `assert_close` on every leaf."""
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    assert jnp.result_type(a) == jnp.result_type(b), jax.tree_util.keystr(path)
+    assert_close(a, b, rtol, err_msg=jax.tree_util.keystr(path))
+
+
+def step_grads(params, step):
+  """Deterministic, non-zero gradients that change with the step."""
+  return jax.tree.map(lambda p: jnp.sin(p * (step + 1.0)) + 0.01 * step, params)
+
+
+def run_steps(tx, params, steps, fused, apply_gradients=None):
+  """`steps` optimizer steps with `step_grads`; returns (params, state).
+
+  With `fused`, steps go through `apply_gradients(tx, params, grads, state)`;
+  otherwise through `tx.update` and `optax.apply_updates`.
+  """
+  state = tx.init(params)
+  for i in range(steps):
+    grads = step_grads(params, i)
+    if fused:
+      params, state = apply_gradients(tx, params, grads, state)
+    else:
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def _upcast(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def run_optax_f32_math(make, kwargs, params, steps, fused, moment_of=None):
+  """Optax's math in f32, results stored in the original dtypes each step.
+
+  That is pallasopt's contract for bf16 leaves (f32 inside the kernel, one
+  rounding on store); for f32 leaves it is plain Optax. Unfused updates are
+  stored in the promoted dtype of params and the first moment
+  (``moment_of(state)`` gives that moment tree) before `optax.apply_updates`.
+
+  Args:
+    make: the Optax factory, e.g. ``optax.adamw``.
+    kwargs: its arguments; ``mu_dtype`` only sets the stored dtype.
+    params: initial params.
+    steps: number of steps, with `step_grads`.
+    fused: whether the run being compared skips the rounded-updates pass.
+    moment_of: state -> first-moment tree, used to promote unfused updates.
+  """
+  math_tx = make(**{**kwargs, "mu_dtype": None}) if "mu_dtype" in kwargs else make(**kwargs)
+  state = make(**kwargs).init(params)
+  storage = jax.tree.map(lambda x: x.dtype, (params, state))
+  for i in range(steps):
+    grads = step_grads(params, i)
+    updates, new_state = math_tx.update(_upcast(grads), _upcast(state), _upcast(params))
+    if not fused:
+      moments = moment_of(state) if moment_of else params
+      updates = jax.tree.map(
+          lambda u, p, m: u.astype(jnp.result_type(p, m)).astype(jnp.float32),
+          updates, params, moments,
+      )
+    new_params = optax.apply_updates(_upcast(params), updates)
+    params, state = jax.tree.map(lambda x, d: x.astype(d), (new_params, new_state), storage)
+  return params, state
+
+
+# ---- Cross-platform lowering from the CPU host. ----
+
+CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+# Export refuses custom calls without a stability guarantee unless told.
+_DISABLED_CHECKS = {
+    "tpu": (),
+    "cuda": (jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALL["cuda"]),),
+}
+
+
+def lowered_text(fn, platform, *args) -> str:
+  """StableHLO of `jax.jit(fn)` exported for `platform` ("tpu" or "cuda")."""
+  with _compat.lowering_platform(platform):
+    exported = jax.export.export(
+        jax.jit(fn), platforms=[platform], disabled_checks=_DISABLED_CHECKS[platform]
+    )(*args)
+  return exported.mlir_module()

@@ -10,10 +10,20 @@ import pytest
 from hypothesis import given, strategies as st
 
 import pallasopt
-from helpers import FLOAT_DTYPES, assert_close, shapes, tolerance, tree_of
+from helpers import (
+    FLOAT_DTYPES,
+    assert_trees_close,
+    run_optax_f32_math,
+    run_steps,
+    shapes,
+    step_grads,
+    tolerance,
+    tree_of,
+)
 from pallasopt.kernels import use_impl
 
 adamw = pallasopt.optim.adamw
+_run = functools.partial(run_steps, apply_gradients=pallasopt.optim.apply_gradients)
 
 
 def _params(seed=0):
@@ -23,57 +33,6 @@ def _params(seed=0):
                 "b": jnp.asarray(rng.standard_normal((7,)), jnp.float32)},
       "scale": jnp.asarray(1.5, jnp.float32),
   }
-
-
-def _grads(params, step):
-  return jax.tree.map(lambda p: jnp.sin(p * (step + 1.0)) + 0.01 * step, params)
-
-
-def _assert_trees_close(got, want, rtol=2e-6):
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-    assert jnp.result_type(a) == jnp.result_type(b), jax.tree_util.keystr(path)
-    assert_close(a, b, rtol, err_msg=jax.tree_util.keystr(path))
-
-
-def _upcast(tree):
-  return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
-def _run_optax_f32_math(make, kwargs, params, steps, fused):
-  """Optax's math in f32, results stored in the original dtypes each step.
-
-  That is pallasopt's contract for bf16 leaves (f32 inside the kernel, one
-  rounding on store; unfused updates are stored in the promoted dtype of
-  params and moments before `optax.apply_updates`); for f32 leaves it is
-  plain Optax.
-  """
-  math_tx = make(**{**kwargs, "mu_dtype": None})
-  state = make(**kwargs).init(params)
-  storage = jax.tree.map(lambda x: x.dtype, (params, state))
-  for i in range(steps):
-    grads = _grads(params, i)
-    updates, new_state = math_tx.update(_upcast(grads), _upcast(state), _upcast(params))
-    if not fused:
-      updates = jax.tree.map(
-          lambda u, p, m: u.astype(jnp.result_type(p, m)).astype(jnp.float32),
-          updates, params, state[0].mu,
-      )
-    new_params = optax.apply_updates(_upcast(params), updates)
-    params, state = jax.tree.map(lambda x, d: x.astype(d), (new_params, new_state), storage)
-  return params, state
-
-
-def _run(tx, params, steps, fused):
-  state = tx.init(params)
-  for i in range(steps):
-    grads = _grads(params, i)
-    if fused:
-      params, state = pallasopt.optim.apply_gradients(tx, params, grads, state)
-    else:
-      updates, state = tx.update(grads, state, params)
-      params = optax.apply_updates(params, updates)
-  return params, state
 
 
 @given(
@@ -99,8 +58,10 @@ def test_matches_optax_over_steps(
   kwargs = dict(b1=b1, b2=b2, eps_root=eps_root, mu_dtype=mu_dtype,
                 weight_decay=weight_decay, mask=mask, nesterov=nesterov)
   got = _run(adamw(lr, impl="xla", **kwargs), params, 3, fused)
-  want = _run_optax_f32_math(optax.adamw, {"learning_rate": lr, **kwargs}, params, 3, fused)
-  _assert_trees_close(got, want, rtol=tolerance(dtype, mu_dtype or dtype))
+  want = run_optax_f32_math(
+      optax.adamw, {"learning_rate": lr, **kwargs}, params, 3, fused, moment_of=lambda s: s[0].mu
+  )
+  assert_trees_close(got, want, rtol=tolerance(dtype, mu_dtype or dtype))
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -111,7 +72,7 @@ def test_interpreted_kernels_match_optax(fused):
   with use_impl("interpret"):
     got = _run(adamw(lr, weight_decay=wd, mask=mask, nesterov=True), _params(), 3, fused)
   want = _run(optax.adamw(lr, weight_decay=wd, mask=mask, nesterov=True), _params(), 3, False)
-  _assert_trees_close(got, want)
+  assert_trees_close(got, want)
 
 
 @pytest.mark.parametrize(
@@ -140,9 +101,9 @@ def test_checkpoint_swap_continues_the_same_trajectory(first, second):
   params, state = _params(), make[first](**kwargs).init(_params())
   for i in range(4):
     tx = make[first if i < 2 else second](**kwargs)
-    updates, state = tx.update(_grads(params, i), state, params)
+    updates, state = tx.update(step_grads(params, i), state, params)
     params = optax.apply_updates(params, updates)
-  _assert_trees_close((params, state), _run(optax.adamw(**kwargs), _params(), 4, False))
+  assert_trees_close((params, state), _run(optax.adamw(**kwargs), _params(), 4, False))
 
 
 def _compositions():
@@ -166,23 +127,23 @@ def test_composes_like_optax(name):
   got_params = want_params = _params()
   got_state, want_state = ours.init(got_params), theirs.init(want_params)
   for i in range(4):
-    grads = _grads(got_params, i)
+    grads = step_grads(got_params, i)
     if name == "apply_if_finite" and i == 1:
       grads = jax.tree.map(lambda g: g.at[()].set(jnp.nan) if g.ndim == 0 else g, grads)
     u, got_state = step(ours)(got_params, grads, got_state)
     got_params = optax.apply_updates(got_params, u)
     u, want_state = step(theirs)(want_params, grads, want_state)
     want_params = optax.apply_updates(want_params, u)
-  _assert_trees_close((got_params, got_state), (want_params, want_state))
+  assert_trees_close((got_params, got_state), (want_params, want_state))
 
 
 def test_extra_args_are_accepted_and_ignored():
   tx = optax.chain(adamw(1e-2, impl="xla"))
   params = _params()
   state = tx.init(params)
-  updates, _ = tx.update(_grads(params, 0), state, params, loss=jnp.float32(1.0))
-  want, _ = optax.adamw(1e-2).update(_grads(params, 0), optax.adamw(1e-2).init(params), params)
-  _assert_trees_close(updates, want)
+  updates, _ = tx.update(step_grads(params, 0), state, params, loss=jnp.float32(1.0))
+  want, _ = optax.adamw(1e-2).update(step_grads(params, 0), optax.adamw(1e-2).init(params), params)
+  assert_trees_close(updates, want)
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
@@ -192,7 +153,7 @@ def test_vmap_over_independent_models(impl):
   tx, ref = adamw(1e-2, impl=impl), optax.adamw(1e-2)
   got = jax.vmap(lambda p, g: tx.update(g, tx.init(p), p))(params, grads)
   want = jax.vmap(lambda p, g: ref.update(g, ref.init(p), p))(params, grads)
-  _assert_trees_close(got, want)
+  assert_trees_close(got, want)
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
@@ -209,7 +170,7 @@ def test_changing_the_learning_rate_does_not_retrace(impl):
   state = tx.init(params)
   for lr in (1e-2, 3e-3, 1e-4):
     state.hyperparams["learning_rate"] = jnp.asarray(lr)
-    params, state = step(params, _grads(params, 0), state)
+    params, state = step(params, step_grads(params, 0), state)
   assert len(traces) == 1
 
 
@@ -220,16 +181,16 @@ def test_fused_apply_equals_update_plus_apply_updates_under_jit_with_donation():
   state = tx.init(params)
   want = _run(tx, _params(), 3, fused=False)
   for i in range(3):
-    params, state = fused(params, _grads(params, i), state)
-  _assert_trees_close((params, state), want)
+    params, state = fused(params, step_grads(params, i), state)
+  assert_trees_close((params, state), want)
 
 
 def test_apply_gradients_falls_back_for_foreign_transforms():
   tx = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
   params = _params()
-  got, _ = pallasopt.optim.apply_gradients(tx, params, _grads(params, 0), tx.init(params))
-  updates, _ = tx.update(_grads(params, 0), tx.init(params), params)
-  _assert_trees_close(got, optax.apply_updates(params, updates))
+  got, _ = pallasopt.optim.apply_gradients(tx, params, step_grads(params, 0), tx.init(params))
+  updates, _ = tx.update(step_grads(params, 0), tx.init(params), params)
+  assert_trees_close(got, optax.apply_updates(params, updates))
 
 
 # ---- Bad input is reported, naming the argument and the leaf. ----

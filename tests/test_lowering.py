@@ -13,24 +13,11 @@ import optax
 import pytest
 
 import pallasopt
-from pallasopt.kernels import _compat, adamw as adamw_k
+from helpers import CUSTOM_CALL, lowered_text
+from pallasopt.kernels import adamw as adamw_k
 
-_CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
-# Export refuses custom calls without a stability guarantee unless told.
-_DISABLED = {
-    "tpu": (),
-    "cuda": (jax.export.DisabledSafetyCheck.custom_call(_CUSTOM_CALL["cuda"]),),
-}
 SIZES = [(), (7,), (37, 128), (3, 5, 7, 11), (1_000_003,), (4096, 1024)]
 PLATFORMS = ["tpu", "cuda"]
-
-
-def lowered_text(fn, platform, *args) -> str:
-  with _compat.lowering_platform(platform):
-    exported = jax.export.export(
-        jax.jit(fn), platforms=[platform], disabled_checks=_DISABLED[platform]
-    )(*args)
-  return exported.mlir_module()
 
 
 def _sds(shape, dtype=jnp.float32):
@@ -54,7 +41,7 @@ def test_adamw_kernel_lowers(platform, shape, mode, nesterov, decay, dtypes):
   entry = adamw_k.adamw_apply if mode == "apply" else adamw_k.adamw_updates
   fn = lambda p, g, m, v, s: entry(p, g, m, v, s, nesterov=nesterov, decay=decay, impl="auto")
   text = lowered_text(fn, platform, p, g, m, v, scalars)
-  assert text.count(_CUSTOM_CALL[platform]) >= 1
+  assert text.count(CUSTOM_CALL[platform]) >= 1
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -65,9 +52,9 @@ def test_adamw_transform_lowers_with_one_kernel_per_leaf(platform):
   state = jax.eval_shape(tx.init, params)
   fused = functools.partial(pallasopt.optim.apply_gradients, tx)
   text = lowered_text(fused, platform, params, params, state)
-  assert text.count(_CUSTOM_CALL[platform]) == len(params)
+  assert text.count(CUSTOM_CALL[platform]) == len(params)
   update = lambda p, g, s: tx.update(g, s, p)
-  assert lowered_text(update, platform, params, params, state).count(_CUSTOM_CALL[platform]) == len(params)
+  assert lowered_text(update, platform, params, params, state).count(CUSTOM_CALL[platform]) == len(params)
 
 
 def test_auto_on_cpu_lowers_to_plain_xla():
