@@ -48,8 +48,8 @@ __all__ = [
     "FLOPS_PER_ELEMENT",
 ]
 
-# Multiply-adds of both moments, bias corrections, the rescale, decay, lr, add.
-FLOPS_PER_ELEMENT = 18
+# Gradient scale, both moments, bias corrections, rescale, decay, lr, add.
+FLOPS_PER_ELEMENT = 19
 
 
 class AdamWScalars(NamedTuple):
@@ -67,6 +67,7 @@ class AdamWScalars(NamedTuple):
   bias_correction1: jax.typing.ArrayLike  # 1 - b1**t
   bias_correction2: jax.typing.ArrayLike  # 1 - b2**t
   bias_correction1_next: jax.typing.ArrayLike  # 1 - b1**(t+1), for Nesterov
+  grad_scale: jax.typing.ArrayLike  # multiplies g on load, e.g. a clip factor
 
 
 def adamw_scalars(
@@ -77,8 +78,13 @@ def adamw_scalars(
     eps: jax.typing.ArrayLike,
     eps_root: jax.typing.ArrayLike,
     weight_decay: jax.typing.ArrayLike,
+    grad_scale: jax.typing.ArrayLike = 1.0,
 ) -> AdamWScalars:
-  """Builds the scalars of step ``count`` (``t``, counted from 1)."""
+  """Builds the scalars of step ``count`` (``t``, counted from 1).
+
+  ``grad_scale`` multiplies the gradient inside the kernel, so global-norm
+  clipping costs no extra pass over the gradients.
+  """
   count = jnp.asarray(count)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   return AdamWScalars(
@@ -93,11 +99,13 @@ def adamw_scalars(
       bias_correction1=f32(1 - b1**count),
       bias_correction2=f32(1 - b2**count),
       bias_correction1_next=f32(1 - b1 ** (count + 1)),
+      grad_scale=f32(grad_scale),
   )
 
 
 def _adamw_math(s: AdamWScalars, g, m, v, p, *, nesterov: bool, decay: bool):
   """The update on f32 values: returns (u, m, v)."""
+  g = g * s.grad_scale
   m = s.b1 * m + s.one_minus_b1 * g
   v = s.b2 * v + s.one_minus_b2 * (g * g)
   if nesterov:

@@ -9,7 +9,7 @@ import optax
 
 __all__ = ["FusedGradientTransformation", "apply_gradients"]
 
-ApplyFn = Callable[[optax.Params, optax.Updates, optax.OptState], tuple[optax.Params, optax.OptState]]
+ApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
 
 
 class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
@@ -17,11 +17,17 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
 
   It *is* a `optax.GradientTransformationExtraArgs`: ``init`` and ``update``
   keep the Optax contract, so it composes with ``optax.chain``,
-  ``optax.masked``, ``optax.MultiSteps`` and the rest. In addition,
-  ``apply_gradients(params, grads, opt_state) -> (params, opt_state)`` runs the
-  update and its application to the params as one kernel per leaf, writing
-  params and state in place. Prefer the module-level `apply_gradients`, which
-  also accepts transforms that are not fused.
+  ``optax.masked``, ``optax.MultiSteps`` and the rest. In addition::
+
+    apply_gradients(params, grads, opt_state, *, grad_scale=None,
+                    learning_rate=None) -> (params, opt_state)
+
+  runs the update and its application to the params as one kernel per leaf,
+  writing params and state in place. ``grad_scale`` (a scalar, e.g. a global
+  norm clipping factor) multiplies the gradients inside the kernel;
+  ``learning_rate`` (a scalar) replaces the transform's learning rate or
+  schedule value for this step. Prefer the module-level `apply_gradients`,
+  which also accepts transforms that are not fused.
   """
 
   # A NamedTuple subclass cannot add fields without breaking the

@@ -114,7 +114,7 @@ def adamw(
     )
     return adam_state, decay_tx.init(params), lr_tx.init(params)
 
-  def step(grads, state, params, mode):
+  def step(grads, state, params, mode, grad_scale=None, learning_rate_now=None):
     adam_state, decay_state, lr_state = state
     v.check_same_tree(_OWNER, "grads", grads, "opt_state.mu", adam_state.mu)
     v.check_float_leaves(_OWNER, "grads", grads)
@@ -136,9 +136,12 @@ def adamw(
       param_leaves = jax.tree.leaves(params)
 
     count = optax.safe_increment(adam_state.count)
+    if learning_rate_now is None:
+      learning_rate_now = _current(learning_rate, lr_state)
     scalars = adamw_kernels.adamw_scalars(
-        count, _current(learning_rate, lr_state), b1, b2, eps, eps_root,
+        count, learning_rate_now, b1, b2, eps, eps_root,
         _current(weight_decay, decay_state),
+        grad_scale=1.0 if grad_scale is None else grad_scale,
     )
     kernel = adamw_kernels.adamw_apply if mode == "apply" else adamw_kernels.adamw_updates
     results = [
@@ -161,8 +164,8 @@ def adamw(
     del extra_args
     return step(updates, state, params, "updates")
 
-  def apply_fn(params, grads, state):
-    return step(grads, state, params, "apply")
+  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
+    return step(grads, state, params, "apply", grad_scale, learning_rate)
 
   return FusedGradientTransformation(init_fn, update_fn, apply_fn)
 

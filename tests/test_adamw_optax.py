@@ -257,3 +257,14 @@ def test_non_boolean_mask_is_rejected():
   params = _params()
   with pytest.raises(TypeError, match=r"mask\['dense'\]\['b'\] must be a Python bool"):
     tx.update(params, tx.init(params), params)
+
+
+def test_fused_grad_scale_and_learning_rate_override_match_optax():
+  tx = adamw(optax.linear_schedule(1.0, 0.0, 10), weight_decay=0.1, impl="interpret")
+  params = _params()
+  grads = step_grads(params, 0)
+  got = tx.apply_gradients(params, grads, tx.init(params), grad_scale=0.25, learning_rate=3e-3)
+  ref = optax.adamw(3e-3, weight_decay=0.1)
+  updates, ref_state = ref.update(jax.tree.map(lambda g: 0.25 * g, grads), ref.init(params), params)
+  assert_trees_close(got[0], optax.apply_updates(params, updates))
+  assert_trees_close(got[1][0], ref_state[0])
