@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import Literal, Protocol
@@ -106,25 +107,20 @@ def dispatch(
   if impl == "xla":
     return reference
 
-  def on(backend: str, interpret: bool = False):
-    return lambda *a, **k: kernel(*a, backend=backend, interpret=interpret, **k)
-
   if impl == "interpret":
-    return on("tpu", interpret=True)
+    return functools.partial(kernel, backend="tpu", interpret=True)
+
+  mosaic = functools.partial(kernel, backend="tpu", interpret=False)
+  triton = functools.partial(kernel, backend="triton", interpret=False)
 
   def by_platform(*args, **kwargs):
-    # platform_dependent takes positional array operands; keywords are static
-    # configuration and are bound into every branch.
-    branches = dict(tpu=on("tpu"))
+    # platform_dependent passes only positional operands to its branches; the
+    # keywords are static configuration, bound into every branch.
+    bind = lambda fn: functools.partial(fn, **kwargs)
     if impl == "auto":
-      branches.update(cuda=on("triton"), default=reference)
-    else:
-      branches.update(default=on("triton"))
-    bound = {
-        name: (lambda f: lambda *a: f(*a, **kwargs))(fn)
-        for name, fn in branches.items()
-    }
-    default = bound.pop("default")
-    return jax.lax.platform_dependent(*args, default=default, **bound)
+      return jax.lax.platform_dependent(
+          *args, tpu=bind(mosaic), cuda=bind(triton), default=bind(reference)
+      )
+    return jax.lax.platform_dependent(*args, tpu=bind(mosaic), default=bind(triton))
 
   return by_platform
