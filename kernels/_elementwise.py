@@ -20,6 +20,15 @@ and `elementwise_call` does the rest, identically for every family:
   that donates them, the update happens in place;
 * attaches a `pl.CostEstimate` from per-element flops and the exact bytes
   moved, so XLA's scheduler and `cost_analysis()` see the kernel's traffic.
+
+Optimizer families whose update is elementwise (AdamW, Lion) share one more
+layer, `reference_update` and `kernel_update`: a family writes its *update
+math* once, ``math(scalars, p, g, *moments, decay=...) -> (u, *moments)``,
+and gets both of its modes from it, with the same dtypes and aliasing:
+
+* ``"apply"``: returns ``(p + u, *moments)``, p and the moments in place;
+* ``"updates"``: returns ``(u, *moments)`` (the Optax contract), the moments
+  in place, reading p only where weight decay needs it.
 """
 
 from __future__ import annotations
@@ -35,7 +44,15 @@ from pallasopt.kernels import _compat
 from pallasopt.kernels._compat import pl, pltpu, pltriton
 from pallasopt.kernels._tiling import TilePlan, plan_tiles
 
-__all__ = ["elementwise_call", "bytes_moved"]
+__all__ = [
+    "elementwise_call",
+    "bytes_moved",
+    "UpdateMath",
+    "check_update_mode",
+    "updates_dtype",
+    "reference_update",
+    "kernel_update",
+]
 
 Body = Callable[..., Sequence[jax.Array]]
 
@@ -165,3 +182,100 @@ def elementwise_call(
   views = [x.reshape(plan.view_shape) for x in operands]
   outs = call(_scalar_vector(scalars, backend), *views)
   return tuple(o.reshape(shape) for o in outs)
+
+
+# ---- Elementwise optimizer updates: "apply" and "updates" modes. ----
+
+UpdateMath = Callable[..., Sequence[jax.Array]]
+
+
+def check_update_mode(mode: str, p: jax.Array | None, decay: bool) -> None:
+  """``mode`` is ``"apply"`` or ``"updates"`` and ``p`` is there if it is read."""
+  if mode not in ("apply", "updates"):
+    raise ValueError(f"mode must be 'apply' or 'updates'; got {mode!r}.")
+  if p is None and (mode == "apply" or decay):
+    raise ValueError(f"p is required in {mode!r} mode{' with decay' if decay else ''}.")
+
+
+def updates_dtype(p: jax.Array | None, g: jax.Array, *moments: jax.Array) -> jnp.dtype:
+  """The dtype of Optax's updates: its inputs' promoted dtype."""
+  return jnp.result_type(*(x.dtype for x in (p, g, *moments) if x is not None))
+
+
+def reference_update(
+    math: UpdateMath,
+    p: jax.Array | None,
+    g: jax.Array,
+    moments: Sequence[jax.Array],
+    scalars: tuple,
+    *,
+    mode: str,
+    decay: bool,
+) -> tuple[jax.Array, ...]:
+  """Runs an update ``math`` as plain jnp: the XLA path of a family.
+
+  Args:
+    math: ``math(scalars, p, g, *moments, decay=decay) -> (u, *moments)`` on
+      f32 values (``p`` is None when it is not read).
+    p: params, or None in ``"updates"`` mode without decay.
+    g: gradient.
+    moments: the optimizer state leaves, each kept in its own dtype.
+    scalars: the family's NamedTuple of per-step scalars.
+    mode: ``"apply"`` returns ``(p + u, *moments)``; ``"updates"`` returns
+      ``(u, *moments)``, ``u`` in `updates_dtype`.
+    decay: whether the leaf gets weight decay.
+  """
+  check_update_mode(mode, p, decay)
+  s = type(scalars)(*(jnp.asarray(x, jnp.float32) for x in scalars))
+  f32 = lambda x: None if x is None else x.astype(jnp.float32)
+  u, *new = math(s, f32(p), f32(g), *map(f32, moments), decay=decay)
+  if mode == "apply":
+    first = (f32(p) + u).astype(p.dtype)
+  else:
+    first = u.astype(updates_dtype(p, g, *moments))
+  return (first, *(x.astype(m.dtype) for x, m in zip(new, moments, strict=True)))
+
+
+def kernel_update(
+    math: UpdateMath,
+    p: jax.Array | None,
+    g: jax.Array,
+    moments: Sequence[jax.Array],
+    scalars: tuple,
+    *,
+    mode: str,
+    decay: bool,
+    backend: str,
+    interpret: bool,
+    name: str,
+    flops_per_element: int,
+    transcendentals_per_element: int = 0,
+) -> tuple[jax.Array, ...]:
+  """`reference_update` as one fused Pallas kernel (`elementwise_call`).
+
+  The moments are aliased to their outputs, and in ``"apply"`` mode p too;
+  donate them in the enclosing jit to update in place. p is read only in
+  ``"apply"`` mode or with decay. The kernel is named ``{name}_{mode}``.
+  """
+  check_update_mode(mode, p, decay)
+  with_p = p is not None and (mode == "apply" or decay)
+  k = len(moments)
+  # Operands: g, the moments, then p if it is read.
+  operands = [g, *moments] + ([p] if with_p else [])
+
+  def body(values, g, *rest):
+    p = rest[k] if with_p else None
+    u, *new = math(type(scalars)(*values), p, g, *rest[:k], decay=decay)
+    return ((p + u) if mode == "apply" else u, *new)
+
+  aliases = {1 + i: 1 + i for i in range(k)}
+  if mode == "apply":
+    first_dtype, aliases[k + 1] = p.dtype, 0
+  else:
+    first_dtype = updates_dtype(p, g, *moments)
+  return elementwise_call(
+      body, operands, tuple(scalars), (first_dtype, *(m.dtype for m in moments)),
+      backend=backend, interpret=interpret, name=f"{name}_{mode}", aliases=aliases,
+      flops_per_element=flops_per_element,
+      transcendentals_per_element=transcendentals_per_element,
+  )

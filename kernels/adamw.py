@@ -30,13 +30,14 @@ an `AdamWScalars` field, passed to the kernel as data.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pallasopt.kernels._dispatch import dispatch
-from pallasopt.kernels._elementwise import elementwise_call
+from pallasopt.kernels._elementwise import kernel_update, reference_update
 
 __all__ = [
     "AdamWScalars",
@@ -103,7 +104,7 @@ def adamw_scalars(
   )
 
 
-def _adamw_math(s: AdamWScalars, g, m, v, p, *, nesterov: bool, decay: bool):
+def _adamw_math(s: AdamWScalars, p, g, m, v, *, nesterov: bool, decay: bool):
   """The update on f32 values: returns (u, m, v)."""
   g = g * s.grad_scale
   m = s.b1 * m + s.one_minus_b1 * g
@@ -117,17 +118,6 @@ def _adamw_math(s: AdamWScalars, g, m, v, p, *, nesterov: bool, decay: bool):
   if decay:
     u = u + s.weight_decay * p
   return -s.learning_rate * u, m, v
-
-
-def _check_mode(mode: str, p, decay: bool) -> None:
-  if mode not in ("apply", "updates"):
-    raise ValueError(f"mode must be 'apply' or 'updates'; got {mode!r}.")
-  if p is None and (mode == "apply" or decay):
-    raise ValueError(f"p is required in {mode!r} mode{' with decay' if decay else ''}.")
-
-
-def _updates_dtype(p, g, m, v):
-  return jnp.result_type(*(x.dtype for x in (p, g, m, v) if x is not None))
 
 
 def adamw_reference(p, g, m, v, scalars: AdamWScalars, *, mode: str, nesterov: bool, decay: bool):
@@ -144,15 +134,8 @@ def adamw_reference(p, g, m, v, scalars: AdamWScalars, *, mode: str, nesterov: b
     nesterov: use Nesterov momentum (NAdamW).
     decay: add the decoupled weight decay term.
   """
-  _check_mode(mode, p, decay)
-  s = AdamWScalars(*(jnp.asarray(x, jnp.float32) for x in scalars))
-  f32 = lambda x: None if x is None else x.astype(jnp.float32)
-  u, m_new, v_new = _adamw_math(s, f32(g), f32(m), f32(v), f32(p), nesterov=nesterov, decay=decay)
-  if mode == "apply":
-    first = (f32(p) + u).astype(p.dtype)
-  else:
-    first = u.astype(_updates_dtype(p, g, m, v))
-  return first, m_new.astype(m.dtype), v_new.astype(v.dtype)
+  math = functools.partial(_adamw_math, nesterov=nesterov)
+  return reference_update(math, p, g, (m, v), scalars, mode=mode, decay=decay)
 
 
 def adamw_kernel(
@@ -168,24 +151,10 @@ def adamw_kernel(
     backend: ``"tpu"`` or ``"triton"``.
     interpret: run in the Pallas interpreter.
   """
-  _check_mode(mode, p, decay)
-  with_p = p is not None and (mode == "apply" or decay)
-  operands = [g, m, v] + ([p] if with_p else [])
-
-  def body(scalars, g, m, v, *maybe_p):
-    p = maybe_p[0] if maybe_p else None
-    u, m, v = _adamw_math(AdamWScalars(*scalars), g, m, v, p, nesterov=nesterov, decay=decay)
-    return ((p + u) if mode == "apply" else u), m, v
-
-  if mode == "apply":
-    first_dtype, aliases = p.dtype, {3: 0, 1: 1, 2: 2}
-  else:
-    first_dtype, aliases = _updates_dtype(p, g, m, v), {1: 1, 2: 2}
-  return elementwise_call(
-      body, operands, tuple(scalars), (first_dtype, m.dtype, v.dtype),
-      backend=backend, interpret=interpret, name=f"adamw_{mode}",
-      aliases=aliases, flops_per_element=FLOPS_PER_ELEMENT,
-      transcendentals_per_element=1,
+  return kernel_update(
+      functools.partial(_adamw_math, nesterov=nesterov), p, g, (m, v), scalars,
+      mode=mode, decay=decay, backend=backend, interpret=interpret, name="adamw",
+      flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1,
   )
 
 
