@@ -47,6 +47,7 @@ from pallasopt.kernels._tiling import TilePlan, plan_tiles
 __all__ = [
     "elementwise_call",
     "bytes_moved",
+    "scalar_input",
     "UpdateMath",
     "check_update_mode",
     "updates_dtype",
@@ -81,6 +82,22 @@ def _scalar_vector(scalars: Sequence[jax.typing.ArrayLike], backend: str) -> jax
   if backend == "triton":
     vec = jnp.pad(vec, (0, _triton_scalar_width(len(scalars)) - len(scalars)))
   return vec
+
+
+def scalar_input(
+    scalars: Sequence[jax.typing.ArrayLike], backend: str
+) -> tuple[jax.Array, pl.BlockSpec]:
+  """Per-step scalars as one kernel input, with its spec, for a grid of any rank.
+
+  TPU: an f32 vector in SMEM. Triton: an f32 vector padded to a power-of-two
+  length, read as one full block. The kernel reads scalar ``k`` as ``ref[k]``.
+  Other kernel builders (e.g. `_reduction`) use it to pass their scalars the
+  same way `elementwise_call` does.
+  """
+  vec = _scalar_vector(scalars, backend)
+  if backend == "tpu":
+    return vec, pl.BlockSpec(memory_space=pltpu.SMEM)
+  return vec, pl.BlockSpec(vec.shape, lambda *_: (0,))
 
 
 def _kernel(
