@@ -20,6 +20,20 @@ def shapes(max_rank: int = 4, max_side: int = 40):
   return st.one_of(st.sampled_from(SPECIAL_SHAPES), random)
 
 
+# `hypothesis.given` arguments shared by the elementwise kernel-vs-reference
+# tests: one leaf's shape, operand dtypes, mode, decay flag and backend.
+ELEMENTWISE_KERNEL_CASES = dict(
+    shape=shapes(),
+    param_dtype=st.sampled_from(FLOAT_DTYPES),
+    grad_dtype=st.sampled_from(FLOAT_DTYPES),
+    mu_dtype=st.sampled_from(FLOAT_DTYPES),
+    mode=st.sampled_from(["apply", "updates"]),
+    decay=st.booleans(),
+    backend=st.sampled_from(["tpu", "triton"]),
+    seed=st.integers(0, 2**16),
+)
+
+
 def random_array(rng: np.random.Generator, shape, dtype, *, positive=False, scale=1.0):
   x = rng.standard_normal(shape).astype(np.float32) * scale
   if positive:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from helpers import FLOAT_DTYPES, assert_close, random_array, shapes, tolerance
+from helpers import ELEMENTWISE_KERNEL_CASES, assert_close, random_array, tolerance
 from pallasopt.kernels import adamw as adamw_k
 from pallasopt.kernels._elementwise import bytes_moved
 
@@ -21,16 +21,9 @@ hyperparams = st.fixed_dictionaries({
 
 
 @given(
-    shape=shapes(),
-    param_dtype=st.sampled_from(FLOAT_DTYPES),
-    grad_dtype=st.sampled_from(FLOAT_DTYPES),
-    mu_dtype=st.sampled_from(FLOAT_DTYPES),
-    mode=st.sampled_from(["apply", "updates"]),
+    **ELEMENTWISE_KERNEL_CASES,
     nesterov=st.booleans(),
-    decay=st.booleans(),
-    backend=st.sampled_from(["tpu", "triton"]),
     hp=hyperparams,
-    seed=st.integers(0, 2**16),
 )
 def test_kernel_equals_reference_over_steps(
     shape, param_dtype, grad_dtype, mu_dtype, mode, nesterov, decay, backend, hp, seed
