@@ -1,0 +1,605 @@
+"""Stage-local optimizer steps for pipeline-parallel training.
+
+In a pipeline, each stage holds only its own slice of the params (stacked
+``[stages, ...]`` or ``[repeats, stages, ...]`` and sharded over the ``stage``
+mesh axis) and of their gradients. A stage-local step updates that slice from
+those gradients alone, leaf by leaf, inside the same ``jax.shard_map`` that
+computed them: no gather, and for global-norm clipping one scalar ``psum``.
+
+The API is eFormer's (``eformer.optimizers``): `StageLocalOptimizerMetadata`,
+`StageLocalGradientTransformation.apply_gradients_stage_local`,
+`make_stage_local_gradient_transformation`,
+`make_unsupported_stage_local_gradient_transformation` and the factory
+`create_optimizer`. Here the step runs pallasopt's fused kernels in place
+(``FusedGradientTransformation.apply_gradients``), the clip factor is applied
+inside the kernel, and gradient accumulation works on the stage-local path.
+
+Example, inside the pipeline's ``shard_map`` over the ``stage`` axis::
+
+  tx, schedule = create_optimizer(
+      "adamw", AdamWConfig(b2=0.95),
+      SchedulerConfig("cosine", learning_rate=3e-4, warmup_steps=100, steps=10_000),
+      weight_decay=0.1, clip_grad=1.0, stacked_axes=1)
+  ...
+  params, opt_state = tx.apply_gradients_stage_local(
+      params=params, grads=grads, opt_state=opt_state, axis_name="stage")
+
+``tx.update`` + ``optax.apply_updates`` on the whole model gives the same
+result; the stage-local path is that computation, done per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pallasopt.kernels._dispatch import resolve_impl
+from pallasopt.optim import _validation as v
+from pallasopt.optim._base import FusedGradientTransformation
+from pallasopt.optim.configs import (
+    AdafactorConfig,
+    AdamWConfig,
+    KronConfig,
+    LionConfig,
+    MuonConfig,
+    SchedulerConfig,
+    create_scheduler,
+    optimizer_builder,
+    register_optimizer,
+    register_scheduler,
+)
+
+__all__ = [
+    "StageLocalOptimizerMetadata",
+    "StageLocalApplyFn",
+    "StageLocalGradientTransformation",
+    "make_stage_local_gradient_transformation",
+    "make_unsupported_stage_local_gradient_transformation",
+    "fused_stage_local_apply",
+    "create_optimizer",
+    "AdamWConfig",
+    "LionConfig",
+    "AdafactorConfig",
+    "MuonConfig",
+    "KronConfig",
+    "SchedulerConfig",
+    "register_optimizer",
+    "register_scheduler",
+]
+
+_OWNER = "pallasopt.optim.stage_local"
+
+AxisName = str | tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLocalOptimizerMetadata:
+  """What a stage-local step needs to know about the transform it mirrors.
+
+  The transform is ``[MultiSteps of] chain([clip_by_global_norm,] optimizer)``
+  as `create_optimizer` builds it; these fields describe that layout and the
+  hyperparameters. Field names and meanings are eFormer's, plus
+  ``stacked_axes``.
+
+  Attributes:
+    scheduler: the learning-rate schedule the optimizer was built with.
+    weight_decay: decoupled weight decay given to the optimizer.
+    weight_decay_mask: which leaves decay (a tree of bools, a prefix of one,
+      or a callable returning one; None: all).
+    gradient_accumulation_steps: gradients are averaged over this many calls
+      and applied on every k-th, as ``optax.MultiSteps`` does (1: every call).
+    clip_grad: maximum global gradient norm (``optax.clip_by_global_norm``);
+      None or 0 means no clipping, as in eFormer.
+    adamw_b1: AdamW's ``b1`` when the optimizer is AdamW, else None.
+    adamw_b2: AdamW's ``b2`` when the optimizer is AdamW, else None.
+    adamw_eps: AdamW's ``eps`` when the optimizer is AdamW, else None.
+    adamw_eps_root: AdamW's ``eps_root`` when the optimizer is AdamW, else None.
+    adamw_mu_dtype: AdamW's ``mu_dtype`` when the optimizer is AdamW, else None.
+    optimizer_config: the optimizer's config object.
+    extra_kwargs: further build options (``create_optimizer`` records
+      ``optimizer_type`` and ``impl``).
+    stacked_axes: leading axes of every leaf that stack layers (``[repeats,
+      stages, ...]`` is 2); the optimizers that are not elementwise treat them
+      as batch axes.
+
+  Raises:
+    ValueError: ``gradient_accumulation_steps`` not an int >= 1,
+      ``clip_grad`` negative or not finite, ``stacked_axes`` not an int >= 0.
+  """
+
+  scheduler: optax.Schedule
+  weight_decay: float = 0.0
+  weight_decay_mask: Any | None = None
+  gradient_accumulation_steps: int = 1
+  clip_grad: float | None = None
+  adamw_b1: float | None = None
+  adamw_b2: float | None = None
+  adamw_eps: float | None = None
+  adamw_eps_root: float | None = None
+  adamw_mu_dtype: Any | None = None
+  optimizer_config: Any | None = None
+  extra_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  stacked_axes: int = 0
+
+  def __post_init__(self):
+    where = f"{_OWNER}.StageLocalOptimizerMetadata"
+    k = self.gradient_accumulation_steps
+    if not _is_int(k) or k < 1:
+      raise ValueError(f"{where}: gradient_accumulation_steps must be an int >= 1; got {k!r}.")
+    clip = self.clip_grad
+    if clip is not None and (
+        not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0
+    ):
+      raise ValueError(f"{where}: clip_grad must be None or a finite number >= 0; got {clip!r}.")
+    if not _is_int(self.stacked_axes) or self.stacked_axes < 0:
+      raise ValueError(f"{where}: stacked_axes must be an int >= 0; got {self.stacked_axes!r}.")
+
+
+StageLocalApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
+"""A stage-local step: keyword-only ``params``, ``grads``, ``opt_state``,
+``learning_rate_fn``, ``delete_grads``, ``axis_name`` and
+``global_grad_norm`` (plus ``metadata`` when the transform has metadata),
+returning ``(new_params, new_opt_state)``."""
+
+
+class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
+  """An Optax transform with an explicit stage-local apply path.
+
+  ``init`` and ``update`` are the wrapped transform's, untouched, so it works
+  wherever Optax transforms do. `apply_gradients_stage_local` is the
+  pipeline-parallel entry point. Build one with
+  `make_stage_local_gradient_transformation` or `create_optimizer`.
+
+  Attributes:
+    metadata: the `StageLocalOptimizerMetadata` it was built with, or None.
+  """
+
+  # Instance attributes, not NamedTuple fields: optax.chain unpacks
+  # ``init, update = tx``.
+  metadata: StageLocalOptimizerMetadata | None
+
+  def __new__(cls, init, update, *, apply_fn: StageLocalApplyFn, metadata=None):
+    self = super().__new__(cls, init, update)
+    self.metadata = metadata
+    self._stage_local_apply = apply_fn
+    return self
+
+  def apply_gradients_stage_local(
+      self,
+      *,
+      params: optax.Params,
+      grads: optax.Updates,
+      opt_state: optax.OptState,
+      learning_rate_fn: optax.Schedule | None = None,
+      delete_grads: bool = False,
+      axis_name: AxisName | None = None,
+      global_grad_norm: jax.typing.ArrayLike | None = None,
+  ) -> tuple[optax.Params, optax.OptState]:
+    """Updates the params this stage holds from its own gradients.
+
+    Leafwise over whatever (local) arrays it is given, pure and jittable:
+    call it inside ``jax.shard_map`` with each device's slice. For a
+    transform from `create_optimizer` it runs the optimizer's fused
+    ``apply_gradients`` (params and state written in place under donation)
+    and equals ``tx.update`` + ``optax.apply_updates`` on the same arrays.
+
+    Args:
+      params: this stage's params.
+      grads: their gradients, with the structure of `params`; a None leaf
+        (or subtree) is a zero gradient, and its state still advances.
+      opt_state: this transform's state for `params` (from ``init``,
+        ``update`` or earlier calls).
+      learning_rate_fn: a schedule evaluated at the optimizer's step count
+        (the number of steps applied) that replaces ``metadata.scheduler``
+        for this step, weight decay included.
+      delete_grads: delete the gradient buffers once used. This works on
+        concrete arrays (an eager call); under ``jax.jit`` there is nothing
+        to delete, so donate the grads instead (``donate_argnums``), which
+        lets XLA reuse their memory.
+      axis_name: the mesh axis (or axes) the params are partitioned over,
+        when called inside ``shard_map``: for ``clip_grad`` the global norm
+        is ``sqrt(psum(local sum of squares, axis_name))``, one scalar
+        all-reduce. Every leaf must be partitioned over those axes (a leaf
+        replicated over them would be counted once per device).
+      global_grad_norm: the global gradient norm, computed by the caller;
+        used instead of `axis_name` when ``clip_grad`` is set. Not allowed
+        with gradient accumulation, whose norm is that of the averaged
+        gradient at the applying step.
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+
+    Raises:
+      NotImplementedError: the transform has no stage-local path.
+      ValueError: grads or state that do not match the params or the
+        transform's layout (named by leaf path).
+    """
+    kwargs = dict(
+        params=params, grads=grads, opt_state=opt_state, learning_rate_fn=learning_rate_fn,
+        delete_grads=delete_grads, axis_name=axis_name, global_grad_norm=global_grad_norm,
+    )
+    if self.metadata is not None:
+      kwargs["metadata"] = self.metadata
+    return self._stage_local_apply(**kwargs)
+
+
+def make_stage_local_gradient_transformation(
+    tx: optax.GradientTransformation | optax.MultiSteps,
+    metadata: StageLocalOptimizerMetadata | None = None,
+    apply_fn: StageLocalApplyFn | None = None,
+) -> StageLocalGradientTransformation:
+  """Attaches a stage-local apply path to an Optax transform.
+
+  Args:
+    tx: the transform (or ``optax.MultiSteps``); its ``init`` and ``update``
+      are kept as they are.
+    metadata: describes `tx` for `apply_fn`; when given, `apply_fn` is also
+      called with ``metadata=metadata`` (eFormer's convention).
+    apply_fn: the `StageLocalApplyFn`. For ``[MultiSteps of] chain([clip,]
+      fused optimizer)`` use ``fused_stage_local_apply(optimizer)`` with
+      metadata describing that layout.
+
+  Returns:
+    A `StageLocalGradientTransformation`.
+
+  Raises:
+    ValueError: `apply_fn` is None.
+    TypeError: `apply_fn` or `metadata` of the wrong type.
+  """
+  if apply_fn is None:
+    raise ValueError(
+        f"{_OWNER}: make_stage_local_gradient_transformation needs apply_fn (for a "
+        "pallasopt optimizer: fused_stage_local_apply(optimizer)); use "
+        "make_unsupported_stage_local_gradient_transformation for a transform without one."
+    )
+  if not callable(apply_fn):
+    raise TypeError(f"{_OWNER}: apply_fn must be callable; got {apply_fn!r}.")
+  if metadata is not None and not isinstance(metadata, StageLocalOptimizerMetadata):
+    raise TypeError(
+        f"{_OWNER}: metadata must be a StageLocalOptimizerMetadata; got {type(metadata).__name__}."
+    )
+  if not isinstance(tx, (optax.GradientTransformationExtraArgs, optax.MultiSteps)):
+    tx = optax.with_extra_args_support(tx)
+  return StageLocalGradientTransformation(tx.init, tx.update, apply_fn=apply_fn, metadata=metadata)
+
+
+def make_unsupported_stage_local_gradient_transformation(
+    tx: optax.GradientTransformation | optax.MultiSteps,
+    *,
+    optimizer_type: str,
+    reason: str | None = None,
+    metadata: StageLocalOptimizerMetadata | None = None,
+) -> StageLocalGradientTransformation:
+  """`tx` with a stage-local path that explains why it does not exist.
+
+  ``init`` and ``update`` work as usual; `apply_gradients_stage_local`
+  raises a ``NotImplementedError`` that names the optimizer and says how to
+  give it a stage-local path.
+
+  Args:
+    tx: the transform.
+    optimizer_type: its registered name, for the message.
+    reason: an extra sentence for the message.
+    metadata: kept as the transform's ``metadata``.
+  """
+  detail = f" Reason: {reason}" if reason else ""
+
+  def apply_fn(**unused_kwargs):
+    raise NotImplementedError(
+        f"{_OWNER}: optimizer {optimizer_type!r} has no stage-local apply, so it cannot "
+        "update a pipeline stage with apply_gradients_stage_local. Fix: register it with a "
+        "builder that returns a pallasopt FusedGradientTransformation (whose "
+        "apply_gradients(params, grads, state, *, grad_scale, learning_rate) is the fused "
+        "step), or wrap the transform with make_stage_local_gradient_transformation(tx, "
+        "metadata, apply_fn). tx.update still works outside the pipeline." + detail
+    )
+
+  return make_stage_local_gradient_transformation(tx, metadata, apply_fn)
+
+
+# ---- The fused stage-local step. ----
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_none(x: Any) -> bool:
+  return x is None
+
+
+def _path_mismatch(params: Any, grads: Any) -> str:
+  """Which grads paths are missing or unexpected, None leaves covering subtrees."""
+  param_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  grad_paths = [
+      path for path, _ in jax.tree_util.tree_flatten_with_path(grads, is_leaf=_is_none)[0]
+  ]
+  covers = lambda g, p: p[: len(g)] == g
+  missing = [p for p in param_paths if not any(covers(g, p) for g in grad_paths)]
+  unexpected = [g for g in grad_paths if not any(covers(g, p) for p in param_paths)]
+  details = [
+      f"{what} in grads: {[jax.tree_util.keystr(p) for p in paths[:5]]}"
+      for what, paths in (("missing", missing), ("unexpected", unexpected))
+      if paths
+  ]
+  return "; ".join(details) or (
+      f"grads: {jax.tree.structure(grads, is_leaf=_is_none)}; params: {jax.tree.structure(params)}"
+  )
+
+
+def _grads_or_zeros(params: Any, grads: Any) -> Any:
+  """`grads` with None leaves or subtrees replaced by zeros like the params."""
+  fill = lambda g, p: jax.tree.map(jnp.zeros_like, p) if g is None else g
+  try:
+    filled = jax.tree.map(fill, grads, params, is_leaf=_is_none)
+  except (ValueError, TypeError):
+    filled = None
+  if filled is None or jax.tree.structure(filled) != jax.tree.structure(params):
+    raise ValueError(
+        f"{_OWNER}: grads must have the tree structure of params (None stands for a zero "
+        f"gradient of a leaf or subtree); {_path_mismatch(params, grads)}."
+    )
+  v.check_same_tree(_OWNER, "grads", filled, "params", params)
+  return filled
+
+
+def _schedule_count(state: Any):
+  """The optimizer's step count: the first ``count`` field of its state."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    key = path[-1] if path else None
+    if getattr(key, "name", getattr(key, "key", None)) == "count":
+      return leaf
+  raise ValueError(
+      f"{_OWNER}: learning_rate_fn is evaluated at the optimizer's step count, but its "
+      "state has no 'count' field."
+  )
+
+
+def _clip_scale(grads: Any, max_norm: float, axis_name, global_grad_norm) -> jax.Array:
+  """``optax.clip_by_global_norm``'s factor: 1 below `max_norm`, else max/norm."""
+  if global_grad_norm is None:
+    square = sum(
+        (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
+        jnp.zeros([], jnp.float32),
+    )
+    if axis_name is not None:
+      square = jax.lax.psum(square, axis_name)
+    norm = jnp.sqrt(square)
+  else:
+    norm = jnp.asarray(global_grad_norm, jnp.float32)
+  return jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(jnp.float32)
+
+
+def _chain_states(opt_state: Any, metadata: StageLocalOptimizerMetadata) -> tuple:
+  """The ``chain([clip,] optimizer)`` state inside `opt_state`, checked."""
+  accumulating = metadata.gradient_accumulation_steps > 1
+  if accumulating != isinstance(opt_state, optax.MultiStepsState):
+    raise ValueError(
+        f"{_OWNER}: metadata.gradient_accumulation_steps is "
+        f"{metadata.gradient_accumulation_steps}, so opt_state must "
+        + ("be" if accumulating else "not be")
+        + f" an optax.MultiStepsState; got {type(opt_state).__name__}. Use the state from "
+        "this transform's init."
+    )
+  chain_state = opt_state.inner_opt_state if accumulating else opt_state
+  expected = 2 if metadata.clip_grad else 1
+  if type(chain_state) is not tuple or len(chain_state) != expected:
+    layout = "(clip_by_global_norm state, optimizer state)" if expected == 2 else "(optimizer state,)"
+    raise ValueError(
+        f"{_OWNER}: opt_state{'.inner_opt_state' if accumulating else ''} must be the "
+        f"optax.chain state {layout} that metadata describes (clip_grad="
+        f"{metadata.clip_grad}); got {type(chain_state).__name__}"
+        + (f" of length {len(chain_state)}" if isinstance(chain_state, tuple) else "")
+        + "."
+    )
+  return chain_state
+
+
+def _delete_arrays(tree: Any) -> None:
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+      if not leaf.is_deleted():
+        leaf.delete()
+
+
+def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLocalApplyFn:
+  """The stage-local step of ``[MultiSteps of] chain([clip,] optimizer)``.
+
+  For `make_stage_local_gradient_transformation` with metadata describing
+  that layout (``clip_grad``, ``gradient_accumulation_steps``), as
+  `create_optimizer` builds it. Per call:
+
+  1. None grads become zeros.
+  2. With accumulation, ``acc += (g - acc) / (mini_step + 1)`` (Optax's
+     running mean, in the accumulator's dtype); only every k-th call goes on.
+  3. With ``clip_grad``, the global norm comes from ``global_grad_norm`` or
+     one scalar ``psum`` over ``axis_name``; the factor
+     ``min(1, clip_grad / norm)`` is passed to the kernel as ``grad_scale``.
+  4. ``optimizer.apply_gradients(params, grads, state, grad_scale=...,
+     learning_rate=learning_rate_fn(count))`` updates params and state in
+     place.
+
+  The new state has the structure and dtypes ``tx.update`` produces.
+
+  Args:
+    optimizer: the fused optimizer in the chain.
+  """
+  if not isinstance(optimizer, FusedGradientTransformation):
+    raise TypeError(
+        f"{_OWNER}: fused_stage_local_apply needs a pallasopt FusedGradientTransformation; "
+        f"got {type(optimizer).__name__}."
+    )
+
+  def apply_fn(
+      *,
+      params,
+      grads,
+      opt_state,
+      metadata: StageLocalOptimizerMetadata | None = None,
+      learning_rate_fn=None,
+      delete_grads=False,
+      axis_name=None,
+      global_grad_norm=None,
+  ):
+    if metadata is None:
+      raise ValueError(
+          f"{_OWNER}: fused_stage_local_apply needs the transform's metadata; pass it to "
+          "make_stage_local_gradient_transformation."
+      )
+    k = metadata.gradient_accumulation_steps
+    if global_grad_norm is not None and k > 1:
+      raise ValueError(
+          f"{_OWNER}: global_grad_norm cannot be used with gradient_accumulation_steps={k}: "
+          "clipping applies to the averaged gradient at the applying step, whose norm "
+          "this step computes; pass axis_name instead."
+      )
+    full_grads = _grads_or_zeros(params, grads)
+    chain_state = _chain_states(opt_state, metadata)
+    clip = metadata.clip_grad or None
+
+    def step(params, grads, chain_state):
+      *clip_state, state = chain_state
+      scale = None if clip is None else _clip_scale(grads, clip, axis_name, global_grad_norm)
+      lr = None if learning_rate_fn is None else learning_rate_fn(_schedule_count(state))
+      params, state = optimizer.apply_gradients(
+          params, grads, state, grad_scale=scale, learning_rate=lr
+      )
+      return params, (*clip_state, state)
+
+    if k == 1:
+      new_params, new_state = step(params, full_grads, chain_state)
+    else:
+      new_params, new_state = _accumulate_then(step, k, params, full_grads, opt_state)
+    if delete_grads:
+      _delete_arrays(grads)
+    return new_params, new_state
+
+  return apply_fn
+
+
+def _accumulate_then(step, k: int, params, grads, state: optax.MultiStepsState):
+  """``optax.MultiSteps(..., every_k_schedule=k)`` around the fused `step`."""
+  v.check_same_tree(_OWNER, "grads", grads, "opt_state.acc_grads", state.acc_grads)
+  acc = jax.tree.map(lambda g, a: a + (g - a) / (state.mini_step + 1), grads, state.acc_grads)
+  emit = state.mini_step == k - 1
+
+  def apply(params, chain_state):
+    return step(params, jax.tree.map(lambda a, g: a.astype(g.dtype), acc, grads), chain_state)
+
+  def hold(params, chain_state):
+    return params, chain_state
+
+  params, chain_state = jax.lax.cond(emit, apply, hold, params, state.inner_opt_state)
+  return params, optax.MultiStepsState(
+      mini_step=optax.safe_increment(state.mini_step) % k,
+      gradient_step=jnp.where(emit, optax.safe_increment(state.gradient_step), state.gradient_step),
+      inner_opt_state=chain_state,
+      acc_grads=jax.tree.map(lambda a, old: ((1 - emit) * a).astype(old.dtype), acc, state.acc_grads),
+      skip_state=state.skip_state,
+  )
+
+
+# ---- The factory. ----
+
+
+def create_optimizer(
+    optimizer_type: str,
+    optimizer_config: Any | None = None,
+    scheduler_config: SchedulerConfig | None = None,
+    *,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+    clip_grad: float | None = None,
+    gradient_accumulation_steps: int = 1,
+    stacked_axes: int = 0,
+    impl: str = "auto",
+) -> tuple[StageLocalGradientTransformation, optax.Schedule]:
+  """Builds a registered optimizer as a stage-local transform, and its schedule.
+
+  The transform is ``MultiSteps(chain(clip_by_global_norm(clip_grad),
+  optimizer), gradient_accumulation_steps)``, the clip and the
+  ``MultiSteps`` only when asked for, as eFormer's factory builds it; the
+  optimizer gets the schedule as its learning rate and `weight_decay` /
+  `weight_decay_mask` as its own decoupled weight decay (for AdamW, Lion,
+  Muon and Kron multiplied by the learning rate, like eFormer's external
+  decay; Adafactor's, as in Optax, is not). ``update`` is the plain Optax
+  path; `StageLocalGradientTransformation.apply_gradients_stage_local`
+  computes the same step with the optimizer's fused kernels.
+
+  Args:
+    optimizer_type: a registered name: ``"adamw"``, ``"lion"``,
+      ``"adafactor"``, ``"muon"``, ``"kron"`` or one added with
+      `register_optimizer`.
+    optimizer_config: its config (default: the config class with its
+      defaults).
+    scheduler_config: the learning-rate schedule (default: constant 5e-5,
+      eFormer's default).
+    weight_decay: decoupled weight decay, >= 0.
+    weight_decay_mask: which leaves decay (None: all).
+    clip_grad: maximum global gradient norm; None or 0: no clipping.
+    gradient_accumulation_steps: average gradients over this many calls and
+      apply every k-th (``optax.MultiSteps``).
+    stacked_axes: leading stacked-layer axes of every leaf, passed to the
+      optimizers that are not elementwise (Adafactor, Muon, Kron).
+    impl: kernel implementation, see `pallasopt.kernels.use_impl`.
+
+  Returns:
+    ``(tx, schedule)``.
+
+  Raises:
+    ValueError: an unknown optimizer or scheduler name (the message lists
+      the registered ones), or a bad argument, named.
+    TypeError: a config of the wrong class.
+  """
+  config_cls, builder = optimizer_builder(optimizer_type)
+  if isinstance(optimizer_config, SchedulerConfig):
+    raise TypeError(
+        f"{_OWNER}: optimizer_config is a SchedulerConfig; pass it as scheduler_config= "
+        "(create_optimizer takes optimizer_config second, eFormer's factory took it third)."
+    )
+  config = config_cls() if optimizer_config is None else optimizer_config
+  if not isinstance(config, config_cls):
+    raise TypeError(
+        f"{_OWNER}: optimizer_config for {optimizer_type!r} must be a {config_cls.__name__}; "
+        f"got {type(config).__name__}."
+    )
+  schedule = create_scheduler(SchedulerConfig() if scheduler_config is None else scheduler_config)
+  v.check_hyperparameter(_OWNER, "weight_decay", weight_decay)
+  resolve_impl(impl)
+  adamw_fields = (
+      {f"adamw_{name}": getattr(config, name) for name in ("b1", "b2", "eps", "eps_root", "mu_dtype")}
+      if isinstance(config, AdamWConfig)
+      else {}
+  )
+  metadata = StageLocalOptimizerMetadata(
+      scheduler=schedule,
+      weight_decay=weight_decay,
+      weight_decay_mask=weight_decay_mask,
+      gradient_accumulation_steps=gradient_accumulation_steps,
+      clip_grad=clip_grad,
+      **adamw_fields,
+      optimizer_config=config,
+      extra_kwargs={"optimizer_type": optimizer_type, "impl": impl},
+      stacked_axes=stacked_axes,
+  )
+  optimizer = builder(
+      config, schedule, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
+      stacked_axes=stacked_axes, impl=impl,
+  )
+  tx = optax.chain(*([optax.clip_by_global_norm(clip_grad)] if clip_grad else []), optimizer)
+  if gradient_accumulation_steps > 1:
+    tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
+  if isinstance(optimizer, FusedGradientTransformation):
+    apply_fn = fused_stage_local_apply(optimizer)
+    return make_stage_local_gradient_transformation(tx, metadata, apply_fn), schedule
+  unsupported = make_unsupported_stage_local_gradient_transformation(
+      tx, optimizer_type=optimizer_type, metadata=metadata,
+      reason=f"its builder returned a {type(optimizer).__name__}, which has no fused apply_gradients.",
+  )
+  return unsupported, schedule
