@@ -131,3 +131,28 @@ def broadcast_mask(
       )
     flags.append(bool(flag))
   return flags
+
+
+def static_int(owner: str, name: str, value: Any, *, low: int = 0, static_args: str = "") -> int:
+  """A structural integer argument (an axis count, a size threshold) as a Python int.
+
+  Such arguments decide shapes and kernels at trace time, so they cannot be
+  traced. ``optax.inject_hyperparams`` turns every int argument into an array
+  unless it is named in ``static_args``; a traced one is reported with that
+  advice (``static_args`` names the tuple to pass, e.g.
+  ``"ADAFACTOR_STATIC_ARGS"``).
+
+  Raises:
+    TypeError: ``value`` is traced.
+    ValueError: ``value`` is a bool, not integral, or below ``low``.
+  """
+  if isinstance(value, jax.core.Tracer):
+    hint = f"static_args={static_args}" if static_args else f"static_args=({name!r},)"
+    raise TypeError(
+        f"{owner}: {name} must be a Python int, not a traced value; under "
+        f"optax.inject_hyperparams pass {hint}."
+    )
+  x = _concrete_value(value)
+  if isinstance(value, bool) or x is None or x != int(x) or x < low:
+    raise ValueError(f"{owner}: {name} must be an int >= {low}; got {value!r}.")
+  return int(x)
