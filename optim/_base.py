@@ -7,7 +7,7 @@ from typing import Any
 
 import optax
 
-__all__ = ["FusedGradientTransformation", "apply_gradients"]
+__all__ = ["FusedGradientTransformation", "apply_gradients", "fused_transformation"]
 
 ApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
 
@@ -39,6 +39,30 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
     self = super().__new__(cls, init, update)
     self.apply_gradients = apply_gradients
     return self
+
+
+def fused_transformation(
+    init_fn: Callable[[optax.Params], optax.OptState], step: Callable[..., Any]
+) -> FusedGradientTransformation:
+  """A `FusedGradientTransformation` whose two paths share one ``step``.
+
+  Args:
+    init_fn: Optax ``init``.
+    step: ``step(grads, state, params, mode, grad_scale, learning_rate) ->
+      (first, new_state)``: ``mode="updates"`` (``params`` may be None;
+      ``grad_scale`` and ``learning_rate`` are None) returns Optax updates,
+      ``mode="apply"`` returns the new params. None ``grad_scale`` means 1,
+      None ``learning_rate`` means the transform's own.
+  """
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    return step(updates, state, params, "updates", None, None)
+
+  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
+    return step(grads, state, params, "apply", grad_scale, learning_rate)
+
+  return FusedGradientTransformation(init_fn, update_fn, apply_fn)
 
 
 def apply_gradients(
