@@ -5,12 +5,17 @@ spaces, compiler params), not device compilation or speed. Arguments are
 `jax.ShapeDtypeStruct`s, so large leaves cost nothing to lower.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 from helpers import CUSTOM_CALL, lowered_text
 from pallasopt.kernels import lion as lion_k
+from pallasopt.optim._base import apply_gradients
+from pallasopt.optim.lion import lion
 
 SIZES = [(), (7,), (37, 128), (3, 5, 7, 11), (1_000_003,), (4096, 1024)]
 PLATFORMS = ["tpu", "cuda"]
@@ -38,6 +43,18 @@ def test_lion_kernel_lowers(platform, shape, mode, decay, dtypes):
   fn = lambda p, g, m, s: entry(p, g, m, s, decay=decay, impl="auto")
   text = lowered_text(fn, platform, p, g, m, SCALARS)
   assert text.count(CUSTOM_CALL[platform]) == 1
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_lion_transform_lowers_with_one_kernel_per_leaf(platform):
+  params = {"w": _sds((768, 3072)), "b": _sds((3072,)), "ln": _sds((7,), jnp.bfloat16), "s": _sds(())}
+  tx = lion(optax.cosine_decay_schedule(1e-4, 100), weight_decay=0.1, mu_dtype=jnp.bfloat16,
+            mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+  state = jax.eval_shape(tx.init, params)
+  fused = functools.partial(apply_gradients, tx)
+  assert lowered_text(fused, platform, params, params, state).count(CUSTOM_CALL[platform]) == len(params)
+  update = lambda p, g, s: tx.update(g, s, p)
+  assert lowered_text(update, platform, params, params, state).count(CUSTOM_CALL[platform]) == len(params)
 
 
 def test_auto_on_cpu_lowers_to_plain_xla():
