@@ -1,0 +1,203 @@
+"""make_train_step: 3 pipelined steps with a stage-local optimizer equal the
+unpipelined model trained with the same optimizer's Optax path.
+
+Runs on the 8 fake CPU devices that conftest.py requests. Every optimizer
+type whose module exists is tested with and without global-norm clipping, on
+pipeline configurations that differ per optimizer (both io layouts, R = 1
+and 2, the circular buffer, three stacked axes).
+"""
+
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+from helpers import assert_close
+from pipeline_model import layer, make_batch, make_layers, mse, sequential
+from pallasopt.optim.stage_local import (
+    AdafactorConfig,
+    AdamWConfig,
+    KronConfig,
+    LionConfig,
+    MuonConfig,
+    SchedulerConfig,
+    create_optimizer,
+)
+from pallasopt.pipeline.circular import scan_layers
+from pallasopt.pipeline.layout import layers_to_stages, stages_to_layers
+from pallasopt.pipeline.schedule import CircularSchedule
+from pallasopt.pipeline.train import make_train_step
+
+RTOL = 1e-5
+STEPS = 3
+SCHEDULER = SchedulerConfig("linear", learning_rate=1e-2, learning_rate_end=5e-3, steps=4)
+
+# name -> (config, (S, M, R, lps, streamed_io)). Small shapes that still factor
+# (Adafactor), orthogonalize (Muon) and precondition (Kron) the 8x8 weights.
+CASES = {
+    "adamw": (AdamWConfig(b2=0.95), (2, 4, 2, 1, True)),
+    "lion": (LionConfig(), (2, 2, 2, 1, False)),
+    "adafactor": (AdafactorConfig(min_dim_size_to_factor=4, momentum=0.9), (2, 2, 1, 2, True)),
+    "muon": (MuonConfig(), (2, 4, 2, 1, False)),
+    "kron": (KronConfig(preconditioner_update_probability=1.0), (2, 2, 2, 1, True)),
+}
+# Only the optimizer modules that exist in this checkout.
+OPTIMIZERS = [name for name in CASES if importlib.util.find_spec(f"pallasopt.optim.{name}")]
+
+
+def stage_mesh(num_stages, data=1):
+  devices = np.array(jax.devices()[: num_stages * data])
+  if data == 1:
+    return Mesh(devices, ("stage",))
+  return Mesh(devices.reshape(num_stages, data), ("stage", "data"))
+
+
+def sequential_loss(layers, inputs, targets):
+  return mse(sequential(layer, layers, inputs), targets)
+
+
+def whole_model_reference(tx, schedule, layers, inputs, targets):
+  """The unpipelined model, optimized by the Optax path of `tx` over all layers."""
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(sequential_loss)(params, inputs, targets)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss, optax.tree.norm(grads)
+
+  return step, tx.init(layers)
+
+
+def per_stage_reference(tx, schedule, layers, inputs, targets, clip):
+  """The unpipelined model, optimized by the Optax path of `tx` (no clip) on each
+  stage's slice ``[R, 1, ...]`` in turn, gradients clipped by the global norm.
+
+  For optimizers whose step depends on how the params are sliced: Kron draws
+  one random probe for all the leaves it is given, so a stage's draw differs
+  from the whole model's.
+  """
+  S = schedule.num_stages
+  slices = lambda tree: [jax.tree.map(lambda x: x[:, s:s + 1], tree) for s in range(S)]
+
+  @jax.jit
+  def step(params, states):
+    loss, grads = jax.value_and_grad(sequential_loss)(params, inputs, targets)
+    norm = optax.tree.norm(grads)
+    scale = 1.0 if clip is None else jnp.minimum(1.0, clip / norm)
+    grads = jax.tree.map(lambda g: g * scale, layers_to_stages(grads, schedule))
+    new_slices, new_states = [], []
+    for p, g, state in zip(slices(layers_to_stages(params, schedule)), slices(grads), states):
+      updates, state = tx.update(g, state, p)
+      new_slices.append(optax.apply_updates(p, updates))
+      new_states.append(state)
+    stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *new_slices)
+    return stages_to_layers(stacked, schedule), new_states, loss, norm
+
+  return step, [tx.init(p) for p in slices(layers_to_stages(layers, schedule))]
+
+
+def run_and_compare(name, clip, schedule, *, data=1, impl="xla"):
+  """STEPS pipelined steps against STEPS unpipelined Optax steps; returns the step."""
+  config = CASES[name][0]
+  kwargs = dict(weight_decay=0.01, impl=impl)
+  tx, _ = create_optimizer(name, config, SCHEDULER, stacked_axes=schedule.stacked_axes,
+                           clip_grad=clip, **kwargs)
+  mesh = stage_mesh(schedule.num_stages, data)
+  stage_fn = layer if schedule.layers_per_stage == 1 else scan_layers(layer)
+  step = make_train_step(stage_fn, mse, tx, mesh=mesh, schedule=schedule,
+                         data_axis="data" if data > 1 else None)
+  layers = make_layers(schedule.num_layers)
+  inputs, targets = make_batch(schedule.num_microbatches)
+  if name == "kron":
+    ref_tx, _ = create_optimizer(name, config, SCHEDULER, stacked_axes=schedule.stacked_axes,
+                                 **kwargs)
+    ref_step, ref_state = per_stage_reference(ref_tx, schedule, layers, inputs, targets, clip)
+  else:
+    ref_tx, _ = create_optimizer(name, config, SCHEDULER, stacked_axes=1, clip_grad=clip, **kwargs)
+    ref_step, ref_state = whole_model_reference(ref_tx, schedule, layers, inputs, targets)
+  params = step.shard_params(layers_to_stages(layers, schedule))
+  opt_state = step.init(params)
+  sharded_inputs, sharded_targets = step.shard_batch(inputs, targets)
+  ref_params, clipped = layers, False
+  for i in range(STEPS):
+    old = jax.tree.leaves(params)[0]
+    params, opt_state, metrics = step(params, opt_state, sharded_inputs, sharded_targets)
+    assert old.is_deleted(), "params were not donated"
+    ref_params, ref_state, ref_loss, ref_norm = ref_step(ref_params, ref_state)
+    assert_close(metrics["loss"], ref_loss, RTOL, f"loss, step {i}")
+    assert_close(metrics["grad_norm"], ref_norm, RTOL, f"grad norm, step {i}")
+    got = stages_to_layers(params, schedule)
+    for key in ref_params:
+      assert_close(got[key], ref_params[key], RTOL, f"params[{key!r}], step {i}")
+    clipped |= clip is not None and float(ref_norm) > clip
+  assert clip is None or clipped, "the clip never engaged; lower it"
+  return step, (params, opt_state, sharded_inputs, sharded_targets)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_three_steps_equal_the_unpipelined_model(name, clip):
+  S, M, R, lps, streamed = CASES[name][1]
+  run_and_compare(name, clip, CircularSchedule(S, M, R, lps, streamed_io=streamed))
+
+
+def test_interpret_mode_kernels_in_the_stage_shard_map():
+  run_and_compare("adamw", 0.05, CircularSchedule(2, 2), impl="interpret")
+
+
+COLLECTIVE = re.compile(
+    r"^\s*\S+ = (\([^)]*\)|\S+) (all-reduce|all-gather|collective-permute|reduce-scatter|"
+    r"all-to-all|collective-broadcast)(-start)?\(",
+    re.M,
+)
+
+
+def collectives(step, args):
+  hlo = step.lower(*args).compile().as_text()
+  return [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
+
+
+def test_streamed_step_has_only_permutes_and_scalar_all_reduces():
+  step, args = run_and_compare("adamw", 0.05, CircularSchedule(4, 4, 2, streamed_io=True))
+  found = collectives(step, args)
+  kinds = {kind for kind, _ in found}
+  assert "collective-permute" in kinds
+  assert kinds <= {"collective-permute", "all-reduce"}, found
+  for kind, shape in found:
+    if kind == "all-reduce":
+      # One scalar, or a tuple of scalars when XLA combines the loss and norm.
+      assert re.fullmatch(r"\(?f32\[\](, f32\[\])*\)?", shape), shape
+
+
+def test_data_axis():
+  """2 stages x 2 data shards: grads are summed over the data axis (the only
+  non-scalar all-reduces), each shard updates its stage locally, and no
+  weight is ever gathered."""
+  step, args = run_and_compare("adamw", 0.05, CircularSchedule(2, 4, 2), data=2)
+  kinds = {kind for kind, _ in collectives(step, args)}
+  assert "all-gather" not in kinds and "collective-permute" in kinds
+
+
+def test_bad_configurations_raise():
+  schedule = CircularSchedule(2, 2, 2)
+  mesh = stage_mesh(2)
+  tx, _ = create_optimizer("adamw", stacked_axes=2, impl="xla")
+  with pytest.raises(TypeError, match="tx must be a stage-local transform"):
+    make_train_step(layer, mse, optax.adam(1e-3), mesh=mesh, schedule=schedule)
+  wrong, _ = create_optimizer("adamw", stacked_axes=1, impl="xla")
+  with pytest.raises(ValueError, match=r"tx was built with stacked_axes=1.*stacked_axes=2\)"):
+    make_train_step(layer, mse, wrong, mesh=mesh, schedule=schedule)
+  with pytest.raises(ValueError, match="mesh axis 'stage' has 4 devices"):
+    make_train_step(layer, mse, tx, mesh=stage_mesh(4), schedule=schedule)
+  step = make_train_step(layer, lambda out, tgt: jnp.mean(out - tgt, axis=0), tx, mesh=mesh,
+                         schedule=schedule)
+  params = step.shard_params(layers_to_stages(make_layers(4), schedule))
+  with pytest.raises(ValueError, match=r"params\['b'\] has shape \(4, 8\)"):
+    step.shard_params(make_layers(4))
+  with pytest.raises(ValueError, match="loss_fn must return a scalar"):
+    step(params, step.init(params), *make_batch(2))
