@@ -1,0 +1,223 @@
+"""The Adafactor Pallas kernels equal their reference (interpret mode, both flavours)."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+from optax._src import factorized
+
+from helpers import FLOAT_DTYPES, SPECIAL_SHAPES, assert_close, random_array, tolerance
+from pallasopt.kernels import adafactor as adafactor_k
+
+# Leading dims stay small (each is a grid axis of P matrices in interpret
+# mode); trailing dims reach past a block and the default threshold.
+_LEAD = st.lists(st.integers(1, 4), max_size=2)
+_TRAIL = st.lists(st.integers(1, 40), max_size=2)
+SHAPES = st.one_of(
+    st.sampled_from(SPECIAL_SHAPES + [(4, 2, 3), (40, 3, 33), (130, 9)]),
+    st.tuples(_LEAD, _TRAIL).map(lambda parts: tuple(parts[0] + parts[1])),
+)
+MIN_DIMS = st.sampled_from([1, 3, 8, 128])
+
+hyperparams = st.fixed_dictionaries({
+    "learning_rate": st.floats(1e-3, 1.0),
+    "decay_rate": st.floats(0.3, 1.0),
+    "decay_offset": st.sampled_from([0, -3]),
+    "eps": st.sampled_from([1e-30, 1e-8, 1e-3]),
+    "clipping_threshold": st.floats(0.05, 2.0),
+    "momentum": st.floats(0.0, 0.99),
+    "weight_decay": st.floats(0.0, 0.5),
+    "grad_scale": st.sampled_from([1.0, 0.5]),
+})
+
+
+def state_for(shape, dims, dtype, momentum_dtype=None):
+  """Zero (v_row, v_col, v, m) shaped as `optax.adafactor` initialises them."""
+  one = jnp.zeros((1,), dtype)
+  if dims is None:
+    moments = (one, one, jnp.zeros(shape, dtype))
+  else:
+    d1, d0 = dims
+    moments = (jnp.zeros(shape[:d0] + shape[d0 + 1:], dtype),
+               jnp.zeros(shape[:d1] + shape[d1 + 1:], dtype), one)
+  return (*moments, None if momentum_dtype is None else jnp.zeros(shape, momentum_dtype))
+
+
+def _step_fns(config, backend):
+  kernel = jax.jit(functools.partial(
+      adafactor_k.adafactor_kernel, **config, backend=backend, interpret=True))
+  reference = jax.jit(functools.partial(adafactor_k.adafactor_reference, **config))
+  return kernel, reference
+
+
+@given(
+    shape=SHAPES,
+    min_dim=MIN_DIMS,
+    factored=st.booleans(),
+    stacked_axes=st.integers(0, 2),
+    param_dtype=st.sampled_from(FLOAT_DTYPES),
+    grad_dtype=st.sampled_from(FLOAT_DTYPES),
+    momentum_dtype=st.sampled_from([None, *FLOAT_DTYPES]),
+    mode=st.sampled_from(["apply", "updates"]),
+    clipping=st.booleans(),
+    parameter_scale=st.booleans(),
+    decay=st.booleans(),
+    backend=st.sampled_from(["tpu", "triton"]),
+    hp=hyperparams,
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_equals_reference_over_steps(
+    shape, min_dim, factored, stacked_axes, param_dtype, grad_dtype, momentum_dtype, mode,
+    clipping, parameter_scale, decay, backend, hp, seed,
+):
+  dims = adafactor_k.factored_dims(shape, factored, min_dim, stacked_axes)
+  if stacked_axes == 0:
+    assert dims == factorized._factored_dims(shape, factored, min_dim)
+  rng = np.random.default_rng(seed)
+  config = dict(mode=mode, factored_dims=dims, stacked_axes=stacked_axes, clipping=clipping,
+                parameter_scale=parameter_scale, momentum=momentum_dtype is not None,
+                decay=decay)
+  kernel, reference = _step_fns(config, backend)
+  state = (random_array(rng, shape, param_dtype),
+           *state_for(shape, dims, param_dtype, momentum_dtype))
+  for step in range(3):
+    g = random_array(rng, shape, grad_dtype)
+    s = adafactor_k.adafactor_scalars(step, **hp)
+    want = reference(state[0], g, *state[1:], s)
+    got = kernel(state[0], g, *state[1:], s)
+    for name, a, b in zip(("p/u", "v_row", "v_col", "v", "m"), got, want):
+      if b is None:
+        assert a is None, name
+        continue
+      assert a.dtype == b.dtype and a.shape == b.shape, name
+      assert_close(a, b, tolerance(a.dtype, grad_dtype), err_msg=f"step {step} {name}")
+    # Chain the reference's own results so each step compares the same inputs.
+    state = ((want[0] if mode == "apply" else state[0]), *want[1:])
+
+
+@given(shape=st.lists(st.integers(1, 300), max_size=5).map(tuple), min_dim=st.integers(0, 200),
+       factored=st.booleans())
+def test_factored_dims_is_optax_rule(shape, min_dim, factored):
+  assert adafactor_k.factored_dims(shape, factored, min_dim) == factorized._factored_dims(
+      shape, factored, min_dim)
+
+
+@pytest.mark.parametrize(
+    "shape,stacked,expected",
+    [
+        ((256, 512), 0, (0, 1)),
+        ((512, 256), 0, (1, 0)),
+        ((4, 256, 512), 0, (1, 2)),  # layers smallest: Optax factors d_in, d_out
+        ((300, 256, 512), 0, (0, 2)),  # layers among the two largest: Optax factors it
+        ((300, 256, 512), 1, (1, 2)),  # stacked: never factored
+        ((2, 3, 256, 512), 2, (2, 3)),
+        ((2, 256), 1, None),  # one axis left
+        ((256,), 2, None),  # ndim <= stacked_axes: unfactored
+    ],
+)
+def test_factored_dims_with_stacked_axes(shape, stacked, expected):
+  assert adafactor_k.factored_dims(shape, True, 128, stacked) == expected
+
+
+@pytest.mark.parametrize(
+    "shape,dims,view",
+    [
+        ((37, 20), (1, 0), (1, 37, 20)),
+        ((3, 20, 37), (1, 2), (3, 20, 37)),
+        ((2, 3, 9, 1, 12), (2, 4), (6, 9, 12)),  # unit axes between and after
+        ((9, 12, 1), (0, 1), (1, 9, 12)),
+        ((12, 3, 9), (2, 0), None),  # an axis of 3 between the factored axes
+        ((12, 9, 3), (1, 0), None),  # an axis of 3 after them
+    ],
+)
+def test_matrix_view(shape, dims, view):
+  assert adafactor_k.matrix_view(shape, dims) == view
+
+
+def _pallas_calls(fn, *args):
+  return [e for e in jax.make_jaxpr(fn)(*args).eqns if e.primitive.name == "pallas_call"]
+
+
+@pytest.mark.parametrize(
+    "shape,dims,clipping,parameter_scale,mode,passes,update_bytes",
+    [
+        # Factored: statistics (+ RMS with clipping) + update.
+        ((64, 256), (0, 1), True, True, "apply", 3, 12),  # read g, p; write p
+        ((64, 256), (0, 1), False, True, "apply", 2, 12),
+        ((64, 256), (0, 1), True, True, "updates", 3, 8),  # read g; write u
+        # Unfactored: one pass, plus one for clipping or parameter scale.
+        ((64, 256), None, False, False, "apply", 1, 20),  # read g, v, p; write p, v
+        ((64, 256), None, False, True, "apply", 2, 20),
+        ((64, 256), None, True, True, "apply", 2, 20),
+        ((64, 256), None, False, False, "updates", 1, 16),  # read g, v; write u, v
+    ],
+)
+def test_passes_and_bytes_per_configuration(
+    shape, dims, clipping, parameter_scale, mode, passes, update_bytes
+):
+  n = math.prod(shape)
+  x = jnp.ones(shape)
+  state = state_for(shape, dims, jnp.float32)
+  s = adafactor_k.adafactor_scalars(1)
+  fn = functools.partial(
+      adafactor_k.adafactor_kernel, mode=mode, factored_dims=dims, clipping=clipping,
+      parameter_scale=parameter_scale, backend="tpu")
+  calls = _pallas_calls(lambda *a: fn(*a, s), x, x, *state)
+  assert len(calls) == passes
+  update = calls[-1].params["cost_estimate"].bytes_accessed
+  vectors = 4 * (2 * sum(shape) + shape[0]) if dims else 4 * shape[0]
+  assert update_bytes * n <= update <= update_bytes * n + vectors
+  if dims is not None:
+    # The statistics pass reads g (and p with parameter scale) once.
+    stats = calls[0].params["cost_estimate"].bytes_accessed
+    assert (4 + 4 * parameter_scale) * n <= stats <= (4 + 4 * parameter_scale) * n * 1.05
+
+
+def test_apply_aliases_params_momentum_and_v_in_place():
+  shape = (8, 128)
+  x = jnp.ones(shape)
+  state = state_for(shape, None, jnp.float32, jnp.float32)
+  s = adafactor_k.adafactor_scalars(1)
+  fn = functools.partial(adafactor_k.adafactor_kernel, mode="apply", factored_dims=None,
+                         momentum=True, backend="triton")
+  update = _pallas_calls(lambda *a: fn(*a, s), x, x, *state)[-1]
+  # Inputs: scalars, g, v, per-block scale, p, m -> outputs p, v, m.
+  assert dict(update.params["input_output_aliases"]) == {2: 1, 4: 0, 5: 2}
+
+
+def test_non_canonical_layout_runs_the_reference():
+  shape, dims = (12, 3, 9), (2, 0)
+  x = jnp.ones(shape)
+  state = state_for(shape, dims, jnp.float32)
+  s = adafactor_k.adafactor_scalars(1)
+  kernel, reference = _step_fns(dict(mode="apply", factored_dims=dims), "tpu")
+  assert not _pallas_calls(kernel, x, x, *state, s)
+  for a, b in zip(kernel(x, x, *state, s), reference(x, x, *state, s)):
+    if b is not None:
+      assert_close(a, b, 0.0)
+
+
+def test_empty_leaf_runs_the_reference():
+  x = jnp.ones((0, 3))
+  state = state_for(x.shape, None, jnp.float32)
+  kernel, _ = _step_fns(dict(mode="apply", factored_dims=None), "triton")
+  assert not _pallas_calls(kernel, x, x, *state, adafactor_k.adafactor_scalars(0))
+  assert kernel(x, x, *state, adafactor_k.adafactor_scalars(0))[0].shape == (0, 3)
+
+
+def test_missing_operands_are_reported():
+  x = jnp.ones((8,))
+  state = state_for((8,), None, jnp.float32)
+  s = adafactor_k.adafactor_scalars(0)
+  with pytest.raises(ValueError, match="p is required in 'apply' mode"):
+    adafactor_k.adafactor_apply(None, x, *state, s, factored_dims=None, impl="xla")
+  with pytest.raises(ValueError, match="p is required with parameter scale and with decay"):
+    adafactor_k.adafactor_updates(None, x, *state, s, factored_dims=None, decay=True, impl="xla")
+  with pytest.raises(ValueError, match="m must be given exactly when momentum is on"):
+    adafactor_k.adafactor_apply(x, x, *state, s, factored_dims=None, momentum=True, impl="xla")
+  with pytest.raises(ValueError, match="mode must be"):
+    adafactor_k.adafactor_reference(x, x, *state, s, mode="fused", factored_dims=None)
