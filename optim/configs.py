@@ -169,6 +169,10 @@ class KronConfig:
     max_size_triangular: largest dim that gets a triangular factor.
     min_ndim_triangular: fewest dims a leaf needs for triangular factors.
     memory_save_mode: None, ``"one_diag"``, ``"smart_one_diag"`` or ``"all_diag"``.
+    momentum_into_precond_update: update the preconditioner from the momentum
+      rather than the gradient.
+    preconditioner_lr: step size of the preconditioner update.
+    preconditioner_init_scale: initial scale of the factors.
     mu_dtype: dtype of the momentum.
     precond_dtype: dtype of the preconditioner factors.
     precond_update_precision: matmul precision of the factor update.
@@ -180,6 +184,9 @@ class KronConfig:
   max_size_triangular: int = 8192
   min_ndim_triangular: int = 2
   memory_save_mode: str | None = None
+  momentum_into_precond_update: bool | None = None
+  preconditioner_lr: float | None = None
+  preconditioner_init_scale: float | None = None
   mu_dtype: Any = None
   precond_dtype: Any = None
   precond_update_precision: str | None = None
@@ -235,7 +242,9 @@ class SchedulerConfig:
   def __post_init__(self):
     where = f"{_OWNER}.SchedulerConfig"
     if not isinstance(self.learning_rate, (int, float)) or not math.isfinite(self.learning_rate):
-      raise ValueError(f"{where}: learning_rate must be a finite number; got {self.learning_rate!r}.")
+      raise ValueError(
+          f"{where}: learning_rate must be a finite number; got {self.learning_rate!r}."
+      )
     for name in ("warmup_steps", "steps"):
       value = getattr(self, name)
       if value is not None and (not _is_int(value) or value < 0):
@@ -308,7 +317,9 @@ def register_optimizer(name: str, config_cls: type, builder: OptimizerBuilder | 
   """
   _check_name(name)
   if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
-    raise TypeError(f"{_OWNER}: config_cls of {name!r} must be a dataclass type; got {config_cls!r}.")
+    raise TypeError(
+        f"{_OWNER}: config_cls of {name!r} must be a dataclass type; got {config_cls!r}."
+    )
 
   def register(fn: OptimizerBuilder) -> OptimizerBuilder:
     if not callable(fn):
@@ -363,7 +374,9 @@ def create_scheduler(config: SchedulerConfig) -> optax.Schedule:
     TypeError: `config` is not a `SchedulerConfig`.
   """
   if not isinstance(config, SchedulerConfig):
-    raise TypeError(f"{_OWNER}: scheduler_config must be a SchedulerConfig; got {type(config).__name__}.")
+    raise TypeError(
+        f"{_OWNER}: scheduler_config must be a SchedulerConfig; got {type(config).__name__}."
+    )
   name = config.scheduler_type or "constant"
   if name not in _SCHEDULERS:
     raise ValueError(
@@ -388,7 +401,9 @@ def _linear(config: SchedulerConfig) -> optax.Schedule:
   if config.learning_rate_end is None:
     raise ValueError(f"{_OWNER}: the 'linear' scheduler needs learning_rate_end.")
   warmup = config.warmup_steps or 0
-  decay = optax.linear_schedule(config.learning_rate, config.learning_rate_end, config.steps - warmup)
+  decay = optax.linear_schedule(
+      config.learning_rate, config.learning_rate_end, config.steps - warmup
+  )
   if not warmup:
     return decay
   ramp = optax.linear_schedule(_WARMUP_START, config.learning_rate, warmup)
@@ -409,7 +424,9 @@ def _cosine(config: SchedulerConfig) -> optax.Schedule:
   if config.learning_rate_end is None:
     alpha = 0.0
   elif config.learning_rate <= 0:
-    raise ValueError(f"{_OWNER}: the 'cosine' scheduler needs learning_rate > 0 with learning_rate_end.")
+    raise ValueError(
+        f"{_OWNER}: the 'cosine' scheduler needs learning_rate > 0 with learning_rate_end."
+    )
   else:
     alpha = config.learning_rate_end / config.learning_rate
   return optax.cosine_decay_schedule(config.learning_rate, config.steps, alpha, config.exponent)

@@ -14,7 +14,8 @@ The API is eFormer's (``eformer.optimizers``): `StageLocalOptimizerMetadata`,
 (``FusedGradientTransformation.apply_gradients``), the clip factor is applied
 inside the kernel, and gradient accumulation works on the stage-local path.
 
-Example, inside the pipeline's ``shard_map`` over the ``stage`` axis::
+Example, inside the pipeline's ``shard_map`` over the ``stage`` axis (with
+``check_vma=False``, which Pallas calls inside ``shard_map`` need)::
 
   tx, schedule = create_optimizer(
       "adamw", AdamWConfig(b2=0.95),
@@ -143,9 +144,9 @@ class StageLocalOptimizerMetadata:
 
 StageLocalApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
 """A stage-local step: keyword-only ``params``, ``grads``, ``opt_state``,
-``learning_rate_fn``, ``delete_grads``, ``axis_name`` and
-``global_grad_norm`` (plus ``metadata`` when the transform has metadata),
-returning ``(new_params, new_opt_state)``."""
+``learning_rate_fn`` and ``delete_grads``, plus ``axis_name`` and
+``global_grad_norm`` when the caller sets them and ``metadata`` when the
+transform has metadata; returns ``(new_params, new_opt_state)``."""
 
 
 class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
@@ -222,8 +223,13 @@ class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
     """
     kwargs = dict(
         params=params, grads=grads, opt_state=opt_state, learning_rate_fn=learning_rate_fn,
-        delete_grads=delete_grads, axis_name=axis_name, global_grad_norm=global_grad_norm,
+        delete_grads=delete_grads,
     )
+    # Passed only when used, so an eFormer-style apply_fn without them works.
+    if axis_name is not None:
+      kwargs["axis_name"] = axis_name
+    if global_grad_norm is not None:
+      kwargs["global_grad_norm"] = global_grad_norm
     if self.metadata is not None:
       kwargs["metadata"] = self.metadata
     return self._stage_local_apply(**kwargs)
@@ -240,7 +246,10 @@ def make_stage_local_gradient_transformation(
     tx: the transform (or ``optax.MultiSteps``); its ``init`` and ``update``
       are kept as they are.
     metadata: describes `tx` for `apply_fn`; when given, `apply_fn` is also
-      called with ``metadata=metadata`` (eFormer's convention).
+      called with ``metadata=metadata`` (eFormer's convention). Unlike
+      eFormer's wrapper, this one does not clip the grads first: `apply_fn`
+      gets them as they are and clips itself (the fused step passes the clip
+      factor into the kernel).
     apply_fn: the `StageLocalApplyFn`. For ``[MultiSteps of] chain([clip,]
       fused optimizer)`` use ``fused_stage_local_apply(optimizer)`` with
       metadata describing that layout.
@@ -390,7 +399,9 @@ def _chain_states(opt_state: Any, metadata: StageLocalOptimizerMetadata) -> tupl
   chain_state = opt_state.inner_opt_state if accumulating else opt_state
   expected = 2 if metadata.clip_grad else 1
   if type(chain_state) is not tuple or len(chain_state) != expected:
-    layout = "(clip_by_global_norm state, optimizer state)" if expected == 2 else "(optimizer state,)"
+    layout = "(optimizer state,)"
+    if expected == 2:
+      layout = "(clip_by_global_norm state, optimizer state)"
     raise ValueError(
         f"{_OWNER}: opt_state{'.inner_opt_state' if accumulating else ''} must be the "
         f"optax.chain state {layout} that metadata describes (clip_grad="
@@ -500,7 +511,9 @@ def _accumulate_then(step, k: int, params, grads, state: optax.MultiStepsState):
       mini_step=optax.safe_increment(state.mini_step) % k,
       gradient_step=jnp.where(emit, optax.safe_increment(state.gradient_step), state.gradient_step),
       inner_opt_state=chain_state,
-      acc_grads=jax.tree.map(lambda a, old: ((1 - emit) * a).astype(old.dtype), acc, state.acc_grads),
+      acc_grads=jax.tree.map(
+          lambda a, old: ((1 - emit) * a).astype(old.dtype), acc, state.acc_grads
+      ),
       skip_state=state.skip_state,
   )
 
@@ -573,7 +586,7 @@ def create_optimizer(
   v.check_hyperparameter(_OWNER, "weight_decay", weight_decay)
   resolve_impl(impl)
   adamw_fields = (
-      {f"adamw_{name}": getattr(config, name) for name in ("b1", "b2", "eps", "eps_root", "mu_dtype")}
+      {f"adamw_{f}": getattr(config, f) for f in ("b1", "b2", "eps", "eps_root", "mu_dtype")}
       if isinstance(config, AdamWConfig)
       else {}
   )
@@ -600,6 +613,7 @@ def create_optimizer(
     return make_stage_local_gradient_transformation(tx, metadata, apply_fn), schedule
   unsupported = make_unsupported_stage_local_gradient_transformation(
       tx, optimizer_type=optimizer_type, metadata=metadata,
-      reason=f"its builder returned a {type(optimizer).__name__}, which has no fused apply_gradients.",
+      reason=f"its builder returned a {type(optimizer).__name__}, which has no fused "
+      "apply_gradients.",
   )
   return unsupported, schedule

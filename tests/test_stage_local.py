@@ -39,16 +39,17 @@ from pallasopt.optim.stage_local import (
 from pallasopt.pipeline.sharding import optimizer_state_specs
 
 # Small shapes that still exercise factoring (Adafactor), orthogonalization
-# (Muon) and triangular preconditioners (Kron).
+# (Muon) and triangular and diagonal preconditioner factors (Kron; "one_diag"
+# also halves its compile time).
 CONFIGS = {
     "adamw": AdamWConfig(b2=0.95),
     "lion": LionConfig(),
     "adafactor": AdafactorConfig(min_dim_size_to_factor=4, momentum=0.9),
     "muon": MuonConfig(),
-    "kron": KronConfig(preconditioner_update_probability=1.0),
+    "kron": KronConfig(preconditioner_update_probability=1.0, memory_save_mode="one_diag"),
 }
 OPTIMIZERS = sorted(CONFIGS)
-COSINE = SchedulerConfig("cosine", learning_rate=1e-2, learning_rate_end=1e-3, warmup_steps=2, steps=8)
+COSINE = SchedulerConfig("cosine", 1e-2, learning_rate_end=1e-3, warmup_steps=2, steps=8)
 LINEAR = SchedulerConfig("linear", learning_rate=1e-2, learning_rate_end=1e-3, steps=8)
 MATRICES = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
 
@@ -115,19 +116,16 @@ def _trajectories(tx, ref_tx, params, steps, *, learning_rate_fn=None, none_path
 CASES = {
     # clip (triggered), masked weight decay, a None leaf, and learning_rate_fn
     # replacing tx's constant schedule: equal to a tx built with that schedule.
-    "clip_decay_mask_none_grads_lr_fn": dict(
+    "f32_clip_decay_mask_none_grads_lr_fn": dict(
         kwargs=dict(weight_decay=0.1, weight_decay_mask=MATRICES, clip_grad=0.5),
-        learning_rate_fn=COSINE, none_path=("dense", "w"), steps=4,
+        learning_rate_fn=COSINE, none_path=("dense", "w"), steps=3,
     ),
-    # accumulate 3 calls per step: two applied steps and one pending call.
-    "accumulation": dict(
+    # bf16 params and grads; 3 calls per step: two applied steps and one
+    # pending call, with the metadata's schedule, clip and weight decay.
+    "bf16_accumulation": dict(
         kwargs=dict(scheduler_config=LINEAR, weight_decay=0.05, clip_grad=1.0,
                     gradient_accumulation_steps=3),
-        none_path=("dense", "b"), steps=7,
-    ),
-    "bf16": dict(
-        kwargs=dict(scheduler_config=COSINE, weight_decay=0.1, clip_grad=0.5),
-        dtype=jnp.bfloat16, steps=3,
+        dtype=jnp.bfloat16, none_path=("dense", "b"), steps=7,
     ),
 }
 
@@ -225,17 +223,23 @@ def _stage_params(seed=1):
 
 
 @pytest.mark.parametrize(
-    "name,impl", [(name, "xla") for name in OPTIMIZERS] + [("adamw", "interpret")]
+    "name,impl,accumulate",
+    # The interpreted Pallas kernel also runs inside the accumulation's cond,
+    # with the clip's psum there.
+    [(name, "xla", 1) for name in OPTIMIZERS] + [("adamw", "interpret", 2)],
 )
-def test_shard_map_stage_slices_equal_the_unsharded_step(name, impl):
+def test_shard_map_stage_slices_equal_the_unsharded_step(name, impl, accumulate):
   # Kron draws its preconditioner probes from one key for the whole leaf, so a
   # stage's slice of them differs from the unsharded draw; without
   # preconditioner updates its step is deterministic per slice.
   config = CONFIGS[name]
   if name == "kron":
-    config = dataclasses.replace(config, preconditioner_update_probability=0.0)
+    config = dataclasses.replace(
+        config, preconditioner_update_probability=0.0, memory_save_mode="all_diag"
+    )
   tx, _ = create_optimizer(
-      name, config, LINEAR, weight_decay=0.1, clip_grad=0.5, stacked_axes=1, impl=impl
+      name, config, LINEAR, weight_decay=0.1, clip_grad=0.5, gradient_accumulation_steps=accumulate,
+      stacked_axes=1, impl=impl,
   )
   mesh = Mesh(np.array(jax.devices()[:STAGES]), ("stage",))
   params = _stage_params()
@@ -262,7 +266,7 @@ def test_shard_map_stage_slices_equal_the_unsharded_step(name, impl):
     return optax.apply_updates(params, updates), state
 
   want_p, want_s = params, tx.init(params)
-  for i in range(2):
+  for i in range(3):
     got_p, got_s = compiled(got_p, step_grads(got_p, jnp.float32(i)), got_s)
     want_p, want_s = optax_step(want_p, want_s, jnp.float32(i))
   assert_trees_close((got_p, got_s), (want_p, want_s), rtol=1e-5)
@@ -358,13 +362,38 @@ def test_unsupported_optimizer_keeps_update_and_explains_the_fix():
     tx.apply_gradients_stage_local(params=params, grads=params, opt_state=tx.init(params))
 
 
+def test_bad_registrations_are_rejected(registry):
+  with pytest.raises(TypeError, match="config_cls of 'sgd' must be a dataclass type"):
+    register_optimizer("sgd", dict, lambda *a, **k: optax.sgd(0.1))
+  with pytest.raises(TypeError, match="the builder of 'sgd' must be callable"):
+    register_optimizer("sgd", _SGDConfig, "optax.sgd")
+  with pytest.raises(TypeError, match="a registered name must be a non-empty str"):
+    configs.register_scheduler("", lambda c: c.learning_rate)
+
+
+def test_eformer_style_apply_fn_gets_only_eformers_arguments():
+  seen = {}
+
+  def apply_fn(*, params, grads, opt_state, learning_rate_fn=None, delete_grads=False):
+    seen.update(learning_rate_fn=learning_rate_fn, delete_grads=delete_grads)
+    return params, opt_state
+
+  tx = make_stage_local_gradient_transformation(optax.sgd(0.1), apply_fn=apply_fn)
+  params = _small_params()
+  assert tx.apply_gradients_stage_local(params=params, grads=params, opt_state=()) == (params, ())
+  assert seen == {"learning_rate_fn": None, "delete_grads": False}
+
+
 def test_apply_fn_is_required():
   with pytest.raises(ValueError, match="needs apply_fn"):
     make_stage_local_gradient_transformation(optax.sgd(0.1))
+  optimizer = adamw(0.1)
+  tx = make_stage_local_gradient_transformation(
+      optax.chain(optimizer), apply_fn=fused_stage_local_apply(optimizer)
+  )
+  params = _small_params()
   with pytest.raises(ValueError, match="needs the transform's metadata"):
-    tx = make_stage_local_gradient_transformation(
-        optax.chain(adamw(0.1)), apply_fn=fused_stage_local_apply(adamw(0.1)))
-    tx.apply_gradients_stage_local(params=_small_params(), grads=_small_params(), opt_state=tx.init(_small_params()))
+    tx.apply_gradients_stage_local(params=params, grads=params, opt_state=tx.init(params))
   with pytest.raises(TypeError, match="needs a pallasopt FusedGradientTransformation"):
     fused_stage_local_apply(optax.adamw(0.1))
 
