@@ -1,0 +1,704 @@
+r"""PSGD Kron: applying and updating Kronecker-factored preconditioners.
+
+Xi-Lin Li's preconditioned SGD (`Preconditioned Stochastic Gradient Descent
+<https://arxiv.org/abs/1512.04202>`_, 2015; `Black Box Lie Group
+Preconditioners for SGD <https://arxiv.org/abs/2211.04422>`_, 2022) keeps, for a
+layer :math:`G` of shape :math:`(d_1, \dots, d_N)`, one factor :math:`Q_k` per
+axis: dense upper-triangular :math:`d_k \times d_k`, or diagonal. Writing
+:math:`X \times_k M` for the product of axis :math:`k` of :math:`X` with the
+matrix :math:`M` (``M[a, b] X[..., b, ...]`` summed over ``b``):
+
+* **apply** (every step): :math:`P G = G \times_1 Q_1^\top Q_1 \cdots
+  \times_N Q_N^\top Q_N`, i.e. :math:`(Q_1^\top Q_1 \otimes \cdots \otimes
+  Q_N^\top Q_N)\,\mathrm{vec}(G)`, then the per-layer RMS clip of psgd_jax,
+  :math:`u = PG / \max(1, \mathrm{rms}(PG) / 1.1)`.
+* **update** (on the steps the update schedule picks), from the gradient (or
+  momentum) :math:`G` and a probe :math:`V \sim \mathcal N(0, I)`:
+  :math:`A = G \times_1 Q_1 \cdots \times_N Q_N`,
+  :math:`B = V \times_1 Q_1^{-\top} \cdots \times_N Q_N^{-\top}` (triangular
+  solves), and per factor the Gram contractions over every other axis,
+  :math:`T_1 = A_{(k)} A_{(k)}^\top`, :math:`T_2 = B_{(k)} B_{(k)}^\top`, then
+  :math:`Q_k \leftarrow Q_k - \frac{\eta_P}{\lVert T_1 + T_2 \rVert}\,
+  \mathrm{triu}(T_1 - T_2)\, Q_k` with :math:`\lVert\cdot\rVert` a cheap lower
+  bound of the spectral norm (`norm_lower_bound`); a diagonal factor uses the
+  diagonals of :math:`T_1, T_2` and their max-abs norm instead.
+
+Layers come *batched*: every operand has a leading axis ``B`` of independent
+layers of one shape (a leaf's stacked / scanned layers), and one launch walks
+them with a grid over ``B``. Factor layout (per layer, after the batch axis):
+``(d, d)`` dense, ``(d,)`` diagonal, ``()`` for a 0-d layer.
+
+Two kernels, each with a pure-jnp reference of the same signature:
+
+* `kron_precondition` (kernel a): momentum, the chain of small matmuls, the RMS
+  clip, and optionally weight decay, the learning rate and the parameter
+  update, fused per layer. The kernel sees a layer as a matrix ``(M, N)``:
+  axis 1 against the first factor, the other axes merged against the
+  Kronecker product of the remaining factors (an exact identity,
+  :math:`\mathrm{vec}` being row-major), formed in XLA.
+* `kron_factor_update` (kernel b): the two Gram contractions (accumulated over
+  column chunks), the norm lower bound and the ``triu`` update of one factor,
+  fused per layer.
+
+The triangular solves for :math:`B` stay in XLA
+(``jax.lax.linalg.triangular_solve``): Pallas has no triangular-solve
+primitive, and a hand-written one is a sequence of ``d`` dependent row (or
+block) substitutions, each a thin matrix-vector step that leaves the MXU /
+tensor cores idle, while XLA already calls a tuned blocked TRSM (cuBLAS on GPU).
+They run only on preconditioner-update steps (annealed to 3% of steps).
+
+Zero padding to legal block dims (`_matrix.padded_dims`) is exact: a zero
+row/column of a factor or of the gradient stays zero through every product
+(``[[Q, 0], [0, 0]]`` acts on ``[[G, 0], [0, 0]]`` as ``Q`` on ``G``), the clip
+divides the padded sum of squares by the true element count, the Gram
+matrices of zero-padded operands are the true ones padded with zeros, and the
+norm bound's maxima and first-index argmax never pick a padded (all-zero) row
+while any entry is non-zero. Layers too large for one on-chip block (see
+`_fits`) run the reference instead: there the matmuls are large enough for XLA,
+and fusion buys little.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallasopt.kernels import _matrix
+from pallasopt.kernels._compat import pl
+from pallasopt.kernels._dispatch import dispatch
+
+__all__ = [
+    "RMS_CLIP",
+    "PRECISIONS",
+    "KronScalars",
+    "kron_scalars",
+    "norm_lower_bound",
+    "apply_factors",
+    "conj_probe",
+    "matricize",
+    "map_layers",
+    "kron_precondition",
+    "kron_precondition_reference",
+    "kron_precondition_kernel",
+    "kron_factor_update",
+    "kron_factor_update_reference",
+    "kron_factor_update_kernel",
+]
+
+# psgd_jax clips each preconditioned layer to RMS 1.1 (PG has RMS ~1).
+RMS_CLIP = 1.1
+PRECISIONS = (None, "bfloat16", "tensorfloat32", "float32")
+_MODES = ("precond", "updates", "apply")
+# Per-grid-step working set, in f32 elements of the blocks (TPU: ~4 MiB,
+# double-buffered), and the Triton caps (a program keeps its tiles in registers).
+_TPU_MAX_BLOCK_ELEMENTS = 1 << 20
+_TPU_VMEM_LIMIT = 48 << 20
+_TRITON_MAX_DIM = 128
+_TRITON_CHUNK = 64
+_TPU_CHUNK = 512
+
+
+class KronScalars(NamedTuple):
+  """Per-step scalars of kernel (a); every field is a 0-d value."""
+
+  learning_rate: jax.typing.ArrayLike
+  weight_decay: jax.typing.ArrayLike
+  b1: jax.typing.ArrayLike
+  one_minus_b1: jax.typing.ArrayLike
+  bias_correction: jax.typing.ArrayLike  # 1 - b1**t
+  grad_scale: jax.typing.ArrayLike  # multiplies g on load, e.g. a clip factor
+
+
+def kron_scalars(
+    count: jax.typing.ArrayLike,
+    learning_rate: jax.typing.ArrayLike = 0.0,
+    b1: jax.typing.ArrayLike = 0.9,
+    weight_decay: jax.typing.ArrayLike = 0.0,
+    grad_scale: jax.typing.ArrayLike = 1.0,
+) -> KronScalars:
+  """The scalars of step ``count`` (``t``, counted from 1)."""
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return KronScalars(
+      learning_rate=f32(learning_rate),
+      weight_decay=f32(weight_decay),
+      b1=f32(b1),
+      one_minus_b1=f32(1 - b1),
+      bias_correction=f32(1 - b1 ** jnp.asarray(count)),
+      grad_scale=f32(grad_scale),
+  )
+
+
+# ---- Math on values, shared by the references and the kernel bodies. ----
+
+
+def _tiny_add(x):
+  return x + jnp.finfo(jnp.float32).tiny
+
+
+def _reduce_all(fn, x):
+  """``fn`` over both axes of a 2-D value, as a (1, 1) value (one axis at a time)."""
+  return fn(fn(x, axis=1, keepdims=True), axis=0, keepdims=True)
+
+
+def _first_argmax_onehot(v, axis: int):
+  """One-hot (same shape as ``v``) of the first maximum of ``v`` along ``axis``."""
+  iota = jax.lax.broadcasted_iota(jnp.int32, v.shape, axis).astype(jnp.float32)
+  top = jnp.max(v, axis=axis, keepdims=True)
+  first = jnp.min(jnp.where(v == top, iota, float(v.shape[axis])), axis=axis, keepdims=True)
+  return iota == first, top
+
+
+def norm_lower_bound(a):
+  """A cheap lower bound of the spectral norm of a square matrix ``a``.
+
+  psgd's estimate: scale by ``max|a|``, take the row or column of largest norm
+  (whichever is larger; the first on ties), one power step from it, and return
+  the norm of the result. Never above :math:`\\lVert a \\rVert_2`, and in
+  practice within a factor :math:`\\sqrt 2` of it. Branch-free (both branches
+  computed, one selected) so that the kernels run the same code; returns a
+  (1, 1) value. ``0`` for ``a = 0``.
+  """
+  a = a.astype(jnp.float32)
+  max_abs = _reduce_all(jnp.max, jnp.abs(a))
+  a = a * jnp.where(max_abs > 0, 1.0 / jnp.where(max_abs > 0, max_abs, 1.0), 0.0)
+  aa = a * a
+  col_sums = jnp.sum(aa, axis=0, keepdims=True)  # (1, n): squared column norms
+  row_sums = jnp.sum(aa, axis=1, keepdims=True)  # (n, 1): squared row norms
+  col_hot, col_top = _first_argmax_onehot(col_sums, 1)
+  row_hot, row_top = _first_argmax_onehot(row_sums, 0)
+
+  def unit(x):
+    norm = jnp.sqrt(_reduce_all(jnp.sum, x * x))
+    return x / jnp.where(norm > 0, norm, 1.0)
+
+  # Largest column c: y = cᵀ a, bound = |a ŷᵀ|.
+  c = jnp.sum(jnp.where(col_hot, a, 0.0), axis=1, keepdims=True)  # (n, 1)
+  y = unit(jnp.sum(c * a, axis=0, keepdims=True))  # (1, n)
+  by_col = jnp.sum(a * y, axis=1, keepdims=True)  # (n, 1)
+  # Largest row r: y = a rᵀ, bound = |aᵀ ŷ|.
+  r = jnp.sum(jnp.where(row_hot, a, 0.0), axis=0, keepdims=True)  # (1, n)
+  y = unit(jnp.sum(a * r, axis=1, keepdims=True))  # (n, 1)
+  by_row = jnp.sum(a * y, axis=0, keepdims=True)  # (1, n)
+  bound = jnp.where(
+      col_top > row_top,
+      jnp.sqrt(_reduce_all(jnp.sum, by_col * by_col)),
+      jnp.sqrt(_reduce_all(jnp.sum, by_row * by_row)),
+  )
+  return jnp.where(max_abs > 0, max_abs * bound, max_abs)
+
+
+def _dense_factor_step(q, t1, t2, lr):
+  """``q - lr / |t1 + t2| triu(t1 - t2) q`` (f32 values, (d, d))."""
+  rows = jax.lax.broadcasted_iota(jnp.int32, t1.shape, 0)
+  cols = jax.lax.broadcasted_iota(jnp.int32, t1.shape, 1)
+  step = lr / _tiny_add(norm_lower_bound(t1 + t2))
+  return q - step * _dot(jnp.where(rows <= cols, t1 - t2, 0.0), q)
+
+
+def _diag_factor_step(q, t1, t2, lr):
+  """``q - lr / max|t1 + t2| (t1 - t2) q`` (f32 values, (d, 1))."""
+  step = lr / _tiny_add(jnp.max(jnp.abs(t1 + t2), axis=0, keepdims=True))
+  return q - step * (t1 - t2) * q
+
+
+def _dot(a, b, precision=None, trans_a=False, trans_b=False):
+  """``a @ b`` (optionally transposed operands) with f32 accumulation.
+
+  ``precision`` (psgd_jax's names): ``"bfloat16"`` rounds the operands to
+  bf16; ``"float32"`` asks for full-precision passes; otherwise the backend's
+  default f32 dot (tf32 tensor cores on recent GPUs).
+  """
+  if precision == "bfloat16":
+    a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  lax_precision = jax.lax.Precision.HIGHEST if precision == "float32" else None
+  return jax.lax.dot_general(
+      a, b, dims, precision=lax_precision, preferred_element_type=jnp.float32
+  )
+
+
+def _momentum(s: KronScalars, g, mu):
+  """Scaled gradient -> (bias-corrected momentum or the gradient, new momentum)."""
+  g = g * s.grad_scale
+  if mu is None:
+    return g, None
+  mu = s.b1 * mu + s.one_minus_b1 * g
+  return mu / s.bias_correction, mu
+
+
+def _clip_and_finish(s: KronScalars, x, sum_sq, count: int, p, *, mode: str, decay: bool):
+  """RMS clip of the preconditioned layer, then decay, learning rate, apply."""
+  x = x / jnp.maximum(1.0, jnp.sqrt(sum_sq / count) / RMS_CLIP)
+  if mode == "precond":
+    return x
+  u = -s.learning_rate * ((x + s.weight_decay * p) if decay else x)
+  return p + u if mode == "apply" else u
+
+
+# ---- The layer-level reference (no batch axis). ----
+
+
+def _mode_product(x, q, axis: int, transpose: bool = False):
+  """``x ×_axis M``, M the dense ``q`` (or ``qᵀ``), or diagonal ``q``."""
+  if q.ndim < 2:
+    return x * q.reshape([-1 if a == axis else 1 for a in range(x.ndim)])
+  y = jnp.tensordot(q.T if transpose else q, x, axes=([1], [axis]))
+  return jnp.moveaxis(y, 0, axis)
+
+
+def apply_factors(g, qs: Sequence[jax.Array]):
+  """``A = G ×_1 Q_1 ... ×_N Q_N`` for one layer (f32)."""
+  x = g.astype(jnp.float32)
+  if x.ndim == 0:
+    return x * qs[0].astype(jnp.float32)
+  for axis, q in enumerate(qs):
+    x = _mode_product(x, q.astype(jnp.float32), axis)
+  return x
+
+
+def _precondition_layer(g, qs):
+  """``P G = G ×_k Q_kᵀ Q_k`` for one layer (f32)."""
+  x = g.astype(jnp.float32)
+  if x.ndim == 0:
+    q = qs[0].astype(jnp.float32)
+    return q * q * x
+  for axis, q in enumerate(qs):
+    q = q.astype(jnp.float32)
+    x = _mode_product(_mode_product(x, q, axis), q, axis, transpose=True)
+  return x
+
+
+def conj_probe(v, qs: Sequence[jax.Array]):
+  """``B = V ×_1 Q_1^{-T} ... ×_N Q_N^{-T}`` for one layer (f32).
+
+  Each dense factor is a right triangular solve ``X Q^{-1}`` with the layer's
+  axis moved last (``jax.lax.linalg.triangular_solve``; see the module
+  docstring for why this stays in XLA); a diagonal factor divides.
+  """
+  x = v.astype(jnp.float32)
+  if x.ndim == 0:
+    return x / qs[0].astype(jnp.float32)
+  for axis, q in enumerate(qs):
+    q = q.astype(jnp.float32)
+    if q.ndim < 2:
+      x = _mode_product(x, 1.0 / q, axis)
+      continue
+    moved = jnp.moveaxis(x, axis, -1)
+    flat = moved.reshape(-1, q.shape[0])
+    solved = jax.lax.linalg.triangular_solve(q, flat, left_side=False, lower=False)
+    x = jnp.moveaxis(solved.reshape(moved.shape), -1, axis)
+  return x
+
+
+def matricize(x, axis: int):
+  """Axis ``axis`` of one layer as rows, the other axes merged as columns."""
+  if x.ndim == 0:
+    return x.reshape(1, 1)
+  return jnp.moveaxis(x, axis, 0).reshape(x.shape[axis], -1)
+
+
+def map_layers(fn: Callable, args: Sequence, map_batch_size: int | None):
+  """``fn`` over the leading (layer) axis: vmap, or lax.map in chunks."""
+  if map_batch_size is None:
+    return jax.vmap(fn)(*args)
+  return jax.lax.map(lambda xs: fn(*xs), tuple(args), batch_size=max(1, map_batch_size))
+
+
+def _check_mode(mode: str, p, decay: bool) -> None:
+  if mode not in _MODES:
+    raise ValueError(f"mode must be one of {_MODES}; got {mode!r}.")
+  if p is None and (mode == "apply" or (mode == "updates" and decay)):
+    raise ValueError(f"p is required in {mode!r} mode{' with decay' if decay else ''}.")
+
+
+def _check_precision(precision) -> None:
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}.")
+
+
+def _out_dtype(mode: str, g, mu, p, qs):
+  if mode == "apply":
+    return p.dtype
+  used = [g, *qs] + ([mu] if mu is not None else [])
+  used += [p] if p is not None and mode == "updates" else []
+  return jnp.result_type(*(x.dtype for x in used))
+
+
+def kron_precondition_reference(
+    g, mu, p, qs: Sequence[jax.Array], scalars: KronScalars, *, mode: str,
+    decay: bool = False, precision: str | None = None, map_batch_size: int | None = None,
+):
+  """Kernel (a) in jnp: momentum, preconditioning, RMS clip, decay, lr, apply.
+
+  Args:
+    g: gradients of ``B`` layers, ``(B, *layer_shape)``.
+    mu: their momentum (same shape, ``mu_dtype``), or None without momentum.
+    p: params (same shape), read in ``"apply"`` mode and in ``"updates"``
+      mode with decay; else may be None.
+    qs: the layers' factors, one per layer axis (``(B, d, d)`` dense or
+      ``(B, d)`` diagonal; one ``(B,)`` factor for 0-d layers).
+    scalars: `KronScalars` of this step.
+    mode: ``"precond"`` returns the clipped :math:`PG` (psgd's
+      ``scale_by_kron`` output); ``"updates"`` returns
+      :math:`-\\eta (u + \\lambda p)`; ``"apply"`` returns ``p`` plus that.
+    decay: add :math:`\\lambda p` (modes ``"updates"``, ``"apply"``).
+    precision: matmul precision, as psgd_jax's ``precond_grads_precision``.
+    map_batch_size: None vmaps over the layers; an int runs them with
+      ``lax.map`` in chunks of that many (psgd's ``lax_map_scanned_layers``).
+
+  Returns:
+    ``(out, new_mu)``; ``new_mu`` is None without momentum.
+  """
+  _check_mode(mode, p, decay)
+  _check_precision(precision)
+  s = KronScalars(*(jnp.asarray(x, jnp.float32) for x in scalars))
+  f32 = lambda x: None if x is None else x.astype(jnp.float32)
+  count = math.prod(g.shape[1:])
+
+  def layer(g, mu, p, *qs):
+    m_hat, new_mu = _momentum(s, g, mu)
+    with jax.default_matmul_precision(precision):
+      x = _precondition_layer(m_hat, qs)
+    out = _clip_and_finish(s, x, jnp.sum(x * x), count, p, mode=mode, decay=decay)
+    return out, new_mu
+
+  out, new_mu = map_layers(layer, (f32(g), f32(mu), f32(p), *qs), map_batch_size)
+  out = out.astype(_out_dtype(mode, g, mu, p, qs))
+  return out, (None if mu is None else new_mu.astype(mu.dtype))
+
+
+def kron_factor_update_reference(
+    q, x, y, precond_lr, *, precision: str | None = None,
+    map_batch_size: int | None = None,
+):
+  """Kernel (b) in jnp: one factor's Gram contractions, norm bound and update.
+
+  Args:
+    q: the factor of ``B`` layers: ``(B, d, d)`` dense upper-triangular or
+      ``(B, d)`` diagonal.
+    x: ``A`` matricized along the factor's axis (`matricize`), ``(B, d, r)``.
+    y: the conjugate probe ``B`` matricized likewise, ``(B, d, r)``.
+    precond_lr: the preconditioner step size (0-d, data).
+    precision: matmul precision, as psgd_jax's ``precond_update_precision``.
+    map_batch_size: as in `kron_precondition_reference`.
+
+  Returns:
+    The updated factor, in ``q``'s shape and dtype.
+  """
+  _check_factor_args(q, x, y)
+  _check_precision(precision)
+  lr = jnp.asarray(precond_lr, jnp.float32)
+
+  def layer(q, x, y):
+    q, x, y = (a.astype(jnp.float32) for a in (q, x, y))
+    if q.ndim < 2:
+      t1 = jnp.sum(x * x, axis=1, keepdims=True)
+      t2 = jnp.sum(y * y, axis=1, keepdims=True)
+      return _diag_factor_step(q[:, None], t1, t2, lr)[:, 0]
+    with jax.default_matmul_precision(precision):
+      return _dense_factor_step(q, _dot(x, x, trans_b=True), _dot(y, y, trans_b=True), lr)
+
+  return map_layers(layer, (q, x, y), map_batch_size).astype(q.dtype)
+
+
+def _check_factor_args(q, x, y) -> None:
+  if q.ndim not in (2, 3) or x.ndim != 3 or x.shape != y.shape:
+    raise ValueError(
+        "kron_factor_update: expected q (B, d, d) or (B, d) and x, y (B, d, r); "
+        f"got q {q.shape}, x {x.shape}, y {y.shape}."
+    )
+  if q.shape[:2] != x.shape[:2] or (q.ndim == 3 and q.shape[2] != q.shape[1]):
+    raise ValueError(
+        f"kron_factor_update: q {q.shape} does not match x {x.shape} (B, d, r)."
+    )
+
+
+# ---- Kernel (a): apply the preconditioner, fused per layer. ----
+
+
+def _kron_right_factor(qs: Sequence[jax.Array]):
+  """One factor for the merged trailing axes: the Kronecker product (exact)."""
+  if len(qs) == 1:
+    return qs[0]
+  if all(q.ndim == 2 for q in qs):
+    merged = qs[0]
+    for q in qs[1:]:
+      merged = (merged[:, :, None] * q[:, None, :]).reshape(q.shape[0], -1)
+    return merged
+  dense = [q if q.ndim == 3 else jax.vmap(jnp.diag)(q) for q in qs]
+  return functools.reduce(jax.vmap(jnp.kron), dense)
+
+
+class _View(NamedTuple):
+  """A layer as an (m, n) matrix with a left and a right factor."""
+
+  m: int
+  n: int
+  left: str  # "none" | "dense" | "diag"
+  right: str  # "dense" | "diag"
+  rows: int  # padded m
+  cols: int  # padded n
+
+
+def _as_matrix(g, qs):
+  """(g as (B, m, n), left factor or None, right factor) for kernel (a)."""
+  batch, shape = g.shape[0], g.shape[1:]
+  if len(shape) == 0:
+    return g.reshape(batch, 1, 1), None, qs[0].reshape(batch, 1)
+  if len(shape) == 1:
+    return g.reshape(batch, 1, shape[0]), None, qs[0]
+  return g.reshape(batch, shape[0], -1), qs[0], _kron_right_factor(qs[1:])
+
+
+def _kind(q) -> str:
+  return "none" if q is None else ("dense" if q.ndim == 3 else "diag")
+
+
+def _plan_view(m: int, n: int, left: str, right: str, backend: str) -> _View:
+  rows, cols = _matrix.padded_dims(m, n, backend)
+  if left != "dense" and backend == "tpu":
+    rows = _matrix.round_up(m, 8)
+  return _View(m, n, left, right, rows, cols)
+
+
+def _fits(view: _View, backend: str) -> bool:
+  """Whether a layer's blocks fit one grid step (else the reference runs)."""
+  if backend == "triton":
+    return max(view.rows, view.cols) <= _TRITON_MAX_DIM
+  square = lambda kind, d: d * d if kind == "dense" else d
+  elements = 5 * view.rows * view.cols + square(view.left, view.rows) + square(view.right, view.cols)
+  return elements <= _TPU_MAX_BLOCK_ELEMENTS
+
+
+def _factor_block(kind: str, dim: int, side: str) -> tuple[int, int]:
+  """Padded block dims of a left/right factor: square, a column or a row."""
+  if kind == "dense":
+    return (dim, dim)
+  return (dim, 1) if side == "left" else (1, dim)
+
+
+def _factor_stack(q, side: str):
+  """A factor as a 3-D stack: dense as is, diagonal as columns (left) or rows."""
+  if q.ndim == 3:
+    return q
+  return q[:, :, None] if side == "left" else q[:, None, :]
+
+
+def _precondition_body(
+    scalar_ref, *refs, names, view: _View, count: int, mode: str, decay: bool,
+    precision, num_outputs: int,
+):
+  ins = dict(zip(names, refs[: len(names)]))
+  outs = refs[len(names):]
+  s = KronScalars(*(scalar_ref[k] for k in range(len(KronScalars._fields))))
+  load = lambda name: ins[name][...].astype(jnp.float32) if name in ins else None
+  m_hat, new_mu = _momentum(s, load("g"), load("mu"))
+  x = m_hat
+  if view.left == "dense":
+    ql = load("ql")
+    x = _dot(ql, _dot(ql, x, precision), precision, trans_a=True)
+  elif view.left == "diag":
+    ql = load("ql")
+    x = ql * ql * x
+  qr = load("qr")
+  if view.right == "dense":
+    x = _dot(_dot(x, qr, precision, trans_b=True), qr, precision)
+  else:
+    x = x * qr * qr
+  out = _clip_and_finish(
+      s, x, _reduce_all(jnp.sum, x * x), count, load("p"), mode=mode, decay=decay
+  )
+  outs[0][...] = out.astype(outs[0].dtype)
+  if num_outputs == 2:
+    outs[1][...] = new_mu.astype(outs[1].dtype)
+
+
+def kron_precondition_kernel(
+    g, mu, p, qs: Sequence[jax.Array], scalars: KronScalars, *, mode: str,
+    decay: bool = False, precision: str | None = None, map_batch_size: int | None = None,
+    backend: str, interpret: bool = False,
+):
+  """Pallas kernel (a); same signature and results as the reference.
+
+  One grid step per layer reads its gradient, momentum, params and the two
+  (possibly Kronecker-merged) factors and writes the output and the new
+  momentum; in ``"apply"`` mode params and momentum are aliased in place (when
+  no padding was needed). Layers that do not fit one block run the reference.
+
+  Args:
+    backend: ``"tpu"`` or ``"triton"``.
+    interpret: run in the Pallas interpreter.
+  """
+  _check_mode(mode, p, decay)
+  _check_precision(precision)
+  batch, layer_shape = g.shape[0], g.shape[1:]
+  g2, ql, qr = _as_matrix(g, qs)
+  view = _plan_view(g2.shape[1], g2.shape[2], _kind(ql), _kind(qr), backend)
+  if not _fits(view, backend):
+    return kron_precondition_reference(
+        g, mu, p, qs, scalars, mode=mode, decay=decay, precision=precision,
+        map_batch_size=map_batch_size,
+    )
+  dims = (view.rows, view.cols)
+  as_block = lambda x: _matrix.pad_stack(x.reshape(g2.shape), dims)
+  reads_p = p is not None and (mode == "apply" or (mode == "updates" and decay))
+  operands = {"g": as_block(g)}
+  if mu is not None:
+    operands["mu"] = as_block(mu)
+  if reads_p:
+    operands["p"] = as_block(p)
+  for name, q, side, dim in (("ql", ql, "left", view.rows), ("qr", qr, "right", view.cols)):
+    if q is not None:
+      operands[name] = _matrix.pad_stack(_factor_stack(q, side), _factor_block(_kind(q), dim, side))
+  names = tuple(operands)
+  out_dtypes = [_out_dtype(mode, g, mu, p, qs)] + ([mu.dtype] if mu is not None else [])
+  aliases = {}
+  if mu is not None:
+    aliases[1 + names.index("mu")] = 1
+  if mode == "apply":
+    aliases[1 + names.index("p")] = 0
+
+  scalar_vec, scalar_spec = _matrix.scalar_operand(tuple(scalars), backend, grid_rank=1)
+  in_specs = [scalar_spec] + [_matrix.matrix_spec(operands[k].shape[1:]) for k in names]
+  flops = 12 * view.m * view.n
+  flops += 4 * view.m * view.m * view.n if view.left == "dense" else 0
+  flops += 4 * view.m * view.n * view.n if view.right == "dense" else 0
+  bytes_accessed = sum(x.size * x.dtype.itemsize for x in operands.values())
+  bytes_accessed += sum(batch * view.rows * view.cols * jnp.dtype(d).itemsize for d in out_dtypes)
+  kernel = functools.partial(
+      _precondition_body, names=names, view=view, count=math.prod(layer_shape),
+      mode=mode, decay=decay, precision=precision, num_outputs=len(out_dtypes),
+  )
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=[jax.ShapeDtypeStruct((batch, *dims), d) for d in out_dtypes],
+      grid=(batch,),
+      in_specs=in_specs,
+      out_specs=[_matrix.matrix_spec(dims)] * len(out_dtypes),
+      input_output_aliases=aliases,
+      compiler_params=None if interpret else _matrix.compiler_params(
+          backend, ("parallel",), num_warps=4, num_stages=1,
+          vmem_limit_bytes=_TPU_VMEM_LIMIT,
+      ),
+      interpret=interpret,
+      name=f"kron_precondition_{mode}",
+      cost_estimate=pl.CostEstimate(
+          flops=batch * flops, transcendentals=batch, bytes_accessed=bytes_accessed
+      ),
+  )(scalar_vec, *(operands[k] for k in names))
+  restore = lambda x: _matrix.unpad_stack(x, (view.m, view.n)).reshape(g.shape)
+  out = restore(outs[0])
+  return out, (restore(outs[1]) if mu is not None else None)
+
+
+def kron_precondition(
+    g, mu, p, qs: Sequence[jax.Array], scalars: KronScalars, *, mode: str,
+    decay: bool = False, precision: str | None = None,
+    map_batch_size: int | None = None, impl: str = "auto",
+):
+  """Kernel (a) as ``impl`` asks; see `kron_precondition_reference`."""
+  fn = dispatch(kron_precondition_reference, kron_precondition_kernel, impl)
+  return fn(
+      g, mu, p, list(qs), scalars, mode=mode, decay=decay, precision=precision,
+      map_batch_size=map_batch_size,
+  )
+
+
+# ---- Kernel (b): one factor's update, fused per layer. ----
+
+
+def _factor_dims(d: int, r: int, dense: bool, backend: str) -> tuple[int, int]:
+  rows, cols = _matrix.padded_dims(d, r, backend)
+  if not dense and backend == "tpu":
+    rows = _matrix.round_up(d, 8)
+  return rows, cols
+
+
+def _factor_fits(rows: int, cols: int, dense: bool, backend: str) -> bool:
+  if backend == "triton":
+    return rows <= _TRITON_MAX_DIM
+  return 2 * rows * cols + (3 * rows * rows if dense else 0) <= _TPU_MAX_BLOCK_ELEMENTS
+
+
+def _factor_body(lr_ref, q_ref, x_ref, y_ref, out_ref, *, dense: bool, chunk: int, precision):
+  rows, cols = x_ref.shape
+
+  def gram(k, acc):
+    t1, t2 = acc
+    start = pl.multiple_of(k * chunk, chunk)
+    x = x_ref[:, pl.ds(start, chunk)].astype(jnp.float32)
+    y = y_ref[:, pl.ds(start, chunk)].astype(jnp.float32)
+    if dense:
+      return (t1 + _dot(x, x, precision, trans_b=True), t2 + _dot(y, y, precision, trans_b=True))
+    return t1 + jnp.sum(x * x, axis=1, keepdims=True), t2 + jnp.sum(y * y, axis=1, keepdims=True)
+
+  shape = (rows, rows) if dense else (rows, 1)
+  zeros = jnp.zeros(shape, jnp.float32)
+  t1, t2 = jax.lax.fori_loop(0, cols // chunk, gram, (zeros, zeros))
+  step = _dense_factor_step if dense else _diag_factor_step
+  out_ref[...] = step(q_ref[...].astype(jnp.float32), t1, t2, lr_ref[0]).astype(out_ref.dtype)
+
+
+def kron_factor_update_kernel(
+    q, x, y, precond_lr, *, precision: str | None = None,
+    map_batch_size: int | None = None, backend: str, interpret: bool = False,
+):
+  """Pallas kernel (b); same signature and results as the reference.
+
+  One grid step per layer accumulates both Gram contractions over column
+  chunks of ``x`` and ``y``, then computes the norm bound and writes the
+  updated factor (aliased to ``q``). Layers that do not fit one block run the
+  reference.
+  """
+  _check_factor_args(q, x, y)
+  _check_precision(precision)
+  batch, d, r = x.shape
+  dense = q.ndim == 3
+  rows, cols = _factor_dims(d, r, dense, backend)
+  if not _factor_fits(rows, cols, dense, backend):
+    return kron_factor_update_reference(
+        q, x, y, precond_lr, precision=precision, map_batch_size=map_batch_size
+    )
+  chunk = min(cols, _TRITON_CHUNK if backend == "triton" else _TPU_CHUNK)
+  cols = _matrix.round_up(cols, chunk)
+  q_block = (rows, rows) if dense else (rows, 1)
+  q_in = _matrix.pad_stack(q if dense else q[:, :, None], q_block)
+  lr_vec, lr_spec = _matrix.scalar_operand([precond_lr], backend, grid_rank=1)
+  flops = (4 * d * d * r + 2 * d ** 3 + 20 * d * d) if dense else 8 * d * r
+  itemsize = lambda a: jnp.dtype(a.dtype).itemsize
+  out = pl.pallas_call(
+      functools.partial(_factor_body, dense=dense, chunk=chunk, precision=precision),
+      out_shape=jax.ShapeDtypeStruct((batch, *q_block), q.dtype),
+      grid=(batch,),
+      in_specs=[lr_spec, _matrix.matrix_spec(q_block), _matrix.matrix_spec((rows, cols)),
+                _matrix.matrix_spec((rows, cols))],
+      out_specs=_matrix.matrix_spec(q_block),
+      input_output_aliases={1: 0},
+      compiler_params=None if interpret else _matrix.compiler_params(
+          backend, ("parallel",), num_warps=4, num_stages=1,
+          vmem_limit_bytes=_TPU_VMEM_LIMIT,
+      ),
+      interpret=interpret,
+      name=f"kron_factor_update_{'dense' if dense else 'diag'}",
+      cost_estimate=pl.CostEstimate(
+          flops=batch * flops, transcendentals=batch,
+          bytes_accessed=batch * (2 * math.prod(q_block) * itemsize(q)
+                                  + rows * cols * (itemsize(x) + itemsize(y))),
+      ),
+  )(lr_vec, q_in, _matrix.pad_stack(x, (rows, cols)), _matrix.pad_stack(y, (rows, cols)))
+  out = _matrix.unpad_stack(out, (d, d) if dense else (d, 1))
+  return out if dense else out[:, :, 0]
+
+
+def kron_factor_update(
+    q, x, y, precond_lr, *, precision: str | None = None,
+    map_batch_size: int | None = None, impl: str = "auto",
+):
+  """Kernel (b) as ``impl`` asks; see `kron_factor_update_reference`."""
+  fn = dispatch(kron_factor_update_reference, kron_factor_update_kernel, impl)
+  return fn(q, x, y, precond_lr, precision=precision, map_batch_size=map_batch_size)
