@@ -1,0 +1,494 @@
+r"""PSGD Kron as a drop-in for psgd_jax's ``kron`` and ``scale_by_kron``.
+
+Xi-Lin Li's PSGD with Kronecker-factored preconditioners (`Preconditioned
+Stochastic Gradient Descent <https://arxiv.org/abs/1512.04202>`_, 2015;
+`Black Box Lie Group Preconditioners for SGD
+<https://arxiv.org/abs/2211.04422>`_, 2022), with the arguments, defaults,
+state and step of psgd_jax 0.2.9 (Evan Walters), written from the algorithm
+(see `pallasopt.kernels.kron` for the math). One step, with step count
+:math:`t` (from 1):
+
+1. :math:`m \leftarrow \beta_1 m + (1 - \beta_1) g`, :math:`\hat m = m / (1 -
+   \beta_1^t)` (no momentum when :math:`\beta_1 = 0`: :math:`\hat m = g`).
+2. On update steps: with probability 0.01 rebalance each layer's factors to
+   a common max-abs norm (their geometric mean); draw a probe :math:`V`; damp
+   the input :math:`G` (:math:`\hat m`, or :math:`g` without
+   ``momentum_into_precond_update``) as :math:`G + \sqrt{\epsilon_{32}}\,
+   \mathrm{mean}|G|\, V`; update every factor (kernel b).
+3. :math:`u = \mathrm{clip}_{\mathrm{RMS}\le 1.1}(P \hat m)` per layer
+   (kernel a); ``kron`` then adds :math:`\lambda p` (``weight_decay``, on
+   ``weight_decay_mask``) and scales by :math:`-\eta`.
+
+Reproducibility: the probe and the rebalancing draw come from
+``jax.random.fold_in(PRNGKey(5318008), count)``, and whether a step updates
+the preconditioner is psgd_jax's deterministic counter: ``update_counter``
+counts steps since the last update and an update happens once it reaches
+``1 / p(t)``, ``p`` the update probability (or schedule) at step ``t``. The
+same run is bit-for-bit the same run again.
+
+State (as psgd_jax): ``dict(count, mu, Qs_preconditioners, update_counter)``;
+``mu`` is None when ``b1 == 0``; ``Qs_preconditioners`` has the params' tree
+with, per leaf, a list of factors (``(d, d)`` upper-triangular or ``(d,)``
+diagonal, one 0-d factor for a 0-d leaf) with the stacked axes in front.
+``kron``'s state is the chain's: ``(that dict, [add_decayed_weights state if
+weight_decay > 0], scale_by_learning_rate state)``.
+
+Stacked layers: ``stacked_axes=n`` treats the first ``n`` axes of every leaf
+as independent layers (``[repeats, stages, d_in, d_out]`` with ``n = 2``): no
+factor for them, and each layer gets its own factors, damping mean and RMS
+clip. ``scanned_layers`` (psgd_jax's per-leaf bools) marks one such axis per
+leaf. psgd_jax takes the damping mean and the RMS clip over a scanned leaf as
+a whole; here they are per layer, which is what lets a pipeline stage update
+its layers without the others. Unstacked leaves are exactly psgd_jax's.
+``lax_map_scanned_layers`` / ``lax_map_batch_size`` run the XLA path's
+per-layer math with ``lax.map``; the kernels always walk layers with a grid.
+
+Under ``optax.inject_hyperparams``, name the integer structure arguments
+static: ``optax.inject_hyperparams(kron, static_args=KRON_STATIC_ARGS)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pallasopt.kernels import kron as kk
+from pallasopt.kernels._dispatch import resolve_impl
+from pallasopt.optim import _validation as v
+from pallasopt.optim._base import (
+    FusedGradientTransformation,
+    advance_schedule,
+    schedule_count,
+)
+
+__all__ = [
+    "KRON_STATIC_ARGS",
+    "PRNG_SEED",
+    "precond_update_prob_schedule",
+    "scale_by_kron",
+    "kron",
+]
+
+_OWNER = "pallasopt.optim.kron"
+PRNG_SEED = 5318008
+MEMORY_SAVE_MODES = (None, "one_diag", "all_diag")
+KRON_STATIC_ARGS = ("max_size_triangular", "min_ndim_triangular", "lax_map_batch_size", "stacked_axes")
+_DAMPING = float(np.sqrt(np.finfo(np.float32).eps))
+# P(z > _BALANCE_Z) = 0.01 for z ~ N(0, 1): psgd_jax rebalances on 1% of updates.
+_BALANCE_Z = 2.3263478740408408
+
+
+def precond_update_prob_schedule(
+    max_prob: float = 1.0, min_prob: float = 0.03, decay: float = 0.001, flat_start: int = 500
+) -> Callable[[jax.typing.ArrayLike], jax.Array]:
+  """psgd_jax's annealed update probability: ``max_prob`` for ``flat_start``
+  steps, then ``max_prob * exp(-decay (n - flat_start))``, floored at
+  ``min_prob`` (0.03 by about step 4000 with the defaults)."""
+
+  def schedule(n):
+    return jnp.minimum(jnp.maximum(max_prob * jnp.exp(-decay * (n - flat_start)), min_prob), max_prob)
+
+  return schedule
+
+
+def _structural(name: str, value: Any) -> int:
+  return v.static_int(_OWNER, name, value, static_args="KRON_STATIC_ARGS")
+
+
+def _dtype_or_none(name: str, dtype: Any):
+  if dtype is None:
+    return None
+  dtype = jnp.dtype(dtype)
+  if dtype not in v.SUPPORTED_DTYPES:
+    raise TypeError(f"{_OWNER}: {name} must be float32 or bfloat16; got {dtype}.")
+  return dtype
+
+
+def _init_layer_factors(inner, leaf_dtype, scale, max_size, min_ndim, memory_save_mode, dtype):
+  """One layer's factors, as psgd_jax initialises them."""
+  if not inner:
+    return [scale * jnp.ones((), dtype or leaf_dtype)]
+  scale = scale ** (1 / len(inner))
+  diag = [False] * len(inner)
+  if memory_save_mode == "one_diag":
+    # The largest axis (the last of the largest on ties).
+    diag[int(np.argsort(inner, kind="stable")[-1])] = True
+  elif memory_save_mode == "all_diag":
+    diag = [True] * len(inner)
+  factors = []
+  for size, forced in zip(inner, diag):
+    if size == 1 or size > max_size or len(inner) < min_ndim or forced:
+      factors.append(scale * jnp.ones((size,), dtype or jnp.float32))
+    else:
+      factors.append(scale * jnp.eye(size, dtype=dtype or jnp.float32))
+  return factors
+
+
+def _dense(q, stacked: int) -> bool:
+  return q.ndim - stacked == 2
+
+
+def _balance(qs, stacked: int):
+  """Scales a layer's factors to the geometric mean of their max-abs norms."""
+  if len(qs) < 2:
+    return qs
+  axes = lambda q: tuple(range(stacked, q.ndim))
+  norms = [jnp.max(jnp.abs(q.astype(jnp.float32)), axis=axes(q)) for q in qs]
+  gmean = math.prod(norms) ** (1 / len(qs))
+  return [
+      q * (gmean / n).reshape(n.shape + (1,) * (q.ndim - stacked)).astype(q.dtype)
+      for q, n in zip(qs, norms)
+  ]
+
+
+class _Core:
+  """The shared step of `scale_by_kron` and `kron` (psgd_jax's update_fn)."""
+
+  def __init__(
+      self, *, b1, preconditioner_update_probability, max_size_triangular,
+      min_ndim_triangular, memory_save_mode, momentum_into_precond_update,
+      preconditioner_lr, preconditioner_init_scale, mu_dtype, precond_dtype,
+      precond_update_precision, precond_grads_precision, scanned_layers,
+      lax_map_scanned_layers, lax_map_batch_size, stacked_axes, impl,
+  ):
+    for name, value, high, inclusive in (
+        ("b1", b1, 1.0, False),
+        ("preconditioner_update_probability", preconditioner_update_probability, 1.0, True),
+        ("preconditioner_lr", preconditioner_lr, math.inf, True),
+        ("preconditioner_init_scale", preconditioner_init_scale, math.inf, True),
+    ):
+      v.check_hyperparameter(_OWNER, name, value, high=high, high_inclusive=inclusive)
+    if memory_save_mode not in MEMORY_SAVE_MODES:
+      raise ValueError(
+          f"{_OWNER}: memory_save_mode must be one of {MEMORY_SAVE_MODES}; got {memory_save_mode!r}."
+      )
+    for name, precision in (
+        ("precond_update_precision", precond_update_precision),
+        ("precond_grads_precision", precond_grads_precision),
+    ):
+      if precision not in kk.PRECISIONS:
+        raise ValueError(f"{_OWNER}: {name} must be one of {kk.PRECISIONS}; got {precision!r}.")
+    self.stacked_axes = _structural("stacked_axes", stacked_axes)
+    if self.stacked_axes and scanned_layers is not None:
+      raise ValueError(
+          f"{_OWNER}: pass stacked_axes or scanned_layers, not both (scanned_layers marks "
+          "one stacked axis per leaf; stacked_axes marks the same axes on every leaf)."
+      )
+    self.max_size = _structural("max_size_triangular", max_size_triangular)
+    self.min_ndim = _structural("min_ndim_triangular", min_ndim_triangular)
+    self.map_batch_size = (
+        _structural("lax_map_batch_size", lax_map_batch_size) if lax_map_scanned_layers else None
+    )
+    resolve_impl(impl)
+    self.b1 = b1
+    self.probability = preconditioner_update_probability
+    self.memory_save_mode = memory_save_mode
+    self.momentum_into_precond_update = momentum_into_precond_update
+    self.preconditioner_lr = preconditioner_lr
+    self.init_scale = preconditioner_init_scale
+    self.mu_dtype = _dtype_or_none("mu_dtype", mu_dtype)
+    self.precond_dtype = _dtype_or_none("precond_dtype", precond_dtype)
+    self.update_precision = precond_update_precision
+    self.grads_precision = precond_grads_precision
+    self.scanned_layers = scanned_layers
+    self.impl = impl
+
+  def stacked(self, tree) -> list[int]:
+    """Per leaf, the number of leading layer axes (at most its rank)."""
+    if self.scanned_layers is None:
+      counts = [self.stacked_axes] * len(jax.tree.leaves(tree))
+    else:
+      counts = [int(s) for s in v.broadcast_mask(_OWNER + " scanned_layers", self.scanned_layers, tree)]
+    return [min(n, jnp.ndim(x)) for n, x in zip(counts, jax.tree.leaves(tree))]
+
+  def init(self, params):
+    v.check_float_leaves(_OWNER, "params", params)
+    has_mu = v._concrete_value(self.b1) != 0.0
+    mu = jax.tree.map(lambda p: jnp.zeros(p.shape, self.mu_dtype or p.dtype), params) if has_mu else None
+    qs = []
+    for p, n in zip(jax.tree.leaves(params), self.stacked(params)):
+      layer = _init_layer_factors(
+          p.shape[n:], p.dtype, self.init_scale, self.max_size, self.min_ndim,
+          self.memory_save_mode, self.precond_dtype,
+      )
+      qs.append([jnp.broadcast_to(q, p.shape[:n] + q.shape) for q in layer])
+    return dict(
+        count=jnp.zeros([], jnp.int32),
+        mu=mu,
+        Qs_preconditioners=jax.tree.structure(params).unflatten(qs),
+        update_counter=jnp.zeros([], jnp.int32),
+    )
+
+  def _check_state(self, grads, state):
+    v.check_float_leaves(_OWNER, "grads", grads)
+    if state["mu"] is not None:
+      v.check_same_tree(_OWNER, "grads", grads, "opt_state['mu']", state["mu"])
+    treedef = jax.tree.structure(grads)
+    try:
+      qs = treedef.flatten_up_to(state["Qs_preconditioners"])
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          f"{_OWNER}: grads must have the tree structure of opt_state['Qs_preconditioners']; {e}"
+      ) from None
+    for (path, g), layer_qs, n in zip(v.keyed_leaves(grads), qs, self.stacked(grads)):
+      inner = jnp.shape(g)[n:] or (1,)
+      dims = tuple(q.shape[n] if q.ndim > n else 1 for q in layer_qs)
+      if dims != inner or any(q.shape[:n] != jnp.shape(g)[:n] for q in layer_qs):
+        raise ValueError(
+            f"{_OWNER}: grads{path} has shape {jnp.shape(g)} but its preconditioner factors "
+            f"have shapes {[q.shape for q in layer_qs]} (with {n} stacked axes); they must match."
+        )
+    return qs
+
+  def _update_factors(self, key, qs, precond_in, stacked):
+    """psgd_jax's update_preconditioner on batched layers: balance, probe, kernel (b).
+
+    One normal draw serves every leaf's probe and the rebalancing decision
+    (its last value above the 99th percentile), one PRNG call instead of one
+    per leaf: the compile time of the threefry hash dominates small steps.
+    """
+    sizes = [g.size for g in precond_in]
+    draw = jax.random.normal(key, (sum(sizes) + 1,), jnp.float32)
+    do_balance = draw[-1] > _BALANCE_Z
+    qs = jax.lax.cond(
+        do_balance, lambda qs: [_balance(q, n) for q, n in zip(qs, stacked)], lambda qs: qs, qs
+    )
+    offsets = np.cumsum([0] + sizes)
+    new_qs = []
+    for layer_qs, g, start, n in zip(qs, precond_in, offsets, stacked):
+      batch = math.prod(g.shape[:n])
+      probe = draw[start:start + g.size].reshape((batch,) + g.shape[n:])
+      g = g.reshape((batch,) + g.shape[n:]).astype(jnp.float32)
+      inner_axes = tuple(range(1, g.ndim))
+      g = g + _DAMPING * jnp.mean(jnp.abs(g), axis=inner_axes, keepdims=True) * probe
+      flat_qs = [q.reshape((batch,) + q.shape[n:]) for q in layer_qs]
+      with jax.default_matmul_precision(self.update_precision):
+        a = kk.map_layers(lambda g, *qs: kk.apply_factors(g, qs), (g, *flat_qs), self.map_batch_size)
+        conj = kk.map_layers(lambda x, *qs: kk.conj_probe(x, qs), (probe, *flat_qs), self.map_batch_size)
+      updated = []
+      for axis, (q, q_flat) in enumerate(zip(layer_qs, flat_qs)):
+        x = jax.vmap(lambda t: kk.matricize(t, axis))(a)
+        y = jax.vmap(lambda t: kk.matricize(t, axis))(conj)
+        new_q = kk.kron_factor_update(
+            q_flat if q_flat.ndim > 1 else q_flat[:, None], x, y, self.preconditioner_lr,
+            precision=self.update_precision, map_batch_size=self.map_batch_size, impl=self.impl,
+        )
+        updated.append(new_q.reshape(q.shape).astype(self.precond_dtype or q.dtype))
+      new_qs.append(updated)
+    return new_qs
+
+  def step(self, grads, state, params, *, mode, decays, scalars_fn, grad_scale):
+    """One step; returns (outputs tree, new state dict)."""
+    qs = self._check_state(grads, state)
+    stacked = self.stacked(grads)
+    treedef = jax.tree.structure(grads)
+    count = state["count"]
+    count_inc = optax.safe_increment(count)
+    key = jax.random.fold_in(jax.random.PRNGKey(PRNG_SEED), count)
+    probability = self.probability(count_inc) if callable(self.probability) else self.probability
+    counter = optax.safe_increment(state["update_counter"])
+    do_update = counter >= 1 / jnp.asarray(probability, jnp.float32)
+    counter = jnp.where(do_update, 0, counter)
+    gs = jax.tree.leaves(grads)
+    mus = jax.tree.leaves(state["mu"]) if state["mu"] is not None else [None] * len(gs)
+    scale = jnp.asarray(1.0 if grad_scale is None else grad_scale, jnp.float32)
+    scalars = scalars_fn(count_inc, scale)
+
+    def precond_input(g, mu):
+      g = g.astype(jnp.float32) * scale
+      if mu is None or not self.momentum_into_precond_update:
+        return g
+      return (scalars.b1 * mu.astype(jnp.float32) + scalars.one_minus_b1 * g) / scalars.bias_correction
+
+    qs = jax.lax.cond(
+        do_update,
+        lambda key, qs, gs, mus: self._update_factors(
+            key, qs, [precond_input(g, mu) for g, mu in zip(gs, mus)], stacked
+        ),
+        lambda key, qs, gs, mus: qs,
+        key, qs, gs, mus,
+    )
+    ps = jax.tree.leaves(params) if params is not None else [None] * len(gs)
+    outs, new_mus = [], []
+    for g, mu, p, layer_qs, n, decay in zip(gs, mus, ps, qs, stacked, decays):
+      batch = math.prod(g.shape[:n])
+      as_batch = lambda x: None if x is None else x.reshape((batch,) + g.shape[n:])
+      out, new_mu = kk.kron_precondition(
+          as_batch(g), as_batch(mu), as_batch(p),
+          [q.reshape((batch,) + q.shape[n:]) for q in layer_qs], scalars,
+          mode=mode, decay=decay, precision=self.grads_precision,
+          map_batch_size=self.map_batch_size, impl=self.impl,
+      )
+      outs.append(out.reshape(g.shape))
+      new_mus.append(None if new_mu is None else new_mu.reshape(g.shape))
+    new_state = dict(
+        count=count_inc,
+        mu=None if state["mu"] is None else treedef.unflatten(new_mus),
+        Qs_preconditioners=treedef.unflatten(qs),
+        update_counter=counter,
+    )
+    return treedef.unflatten(outs), new_state
+
+
+def scale_by_kron(
+    b1: float = 0.9,
+    preconditioner_update_probability: float | Callable[[int], float] = precond_update_prob_schedule(),
+    max_size_triangular: int = 8192,
+    min_ndim_triangular: int = 2,
+    memory_save_mode: str | None = None,
+    momentum_into_precond_update: bool = True,
+    preconditioner_lr: float = 0.1,
+    preconditioner_init_scale: float = 1.0,
+    mu_dtype: Any | None = None,
+    precond_dtype: Any | None = None,
+    precond_update_precision: str | None = "tensorfloat32",
+    precond_grads_precision: str | None = None,
+    scanned_layers: Any | None = None,
+    lax_map_scanned_layers: bool = False,
+    lax_map_batch_size: int = 8,
+    *,
+    stacked_axes: int = 0,
+    impl: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+  """psgd_jax's ``scale_by_kron``: returns the clipped preconditioned momentum.
+
+  Arguments as psgd_jax 0.2.9 (see the module docstring), plus:
+
+  Args:
+    b1: momentum decay in [0, 1); 0 keeps no momentum (``mu`` is None).
+    preconditioner_update_probability: a probability in [0, 1] or a schedule
+      of the step count (default: `precond_update_prob_schedule`).
+    max_size_triangular: axes longer than this get a diagonal factor.
+    min_ndim_triangular: layers of lower rank get only diagonal factors.
+    memory_save_mode: None, ``"one_diag"`` (the largest axis diagonal) or
+      ``"all_diag"``.
+    momentum_into_precond_update: fit the preconditioner to the momentum
+      rather than the raw gradient.
+    preconditioner_lr: the factors' step size.
+    preconditioner_init_scale: initial factors are ``scale^(1/N) I``.
+    mu_dtype: momentum dtype (None: the params').
+    precond_dtype: factor dtype (None: float32).
+    precond_update_precision: matmul precision of factor updates.
+    precond_grads_precision: matmul precision of preconditioning.
+    scanned_layers: per-leaf bools (a tree or prefix, or a callable): the
+      leaf's first axis is a layer axis.
+    lax_map_scanned_layers: run per-layer XLA math with ``lax.map``.
+    lax_map_batch_size: its batch size.
+    stacked_axes: leading layer axes on every leaf (contract 2).
+    impl: ``"auto" | "pallas" | "interpret" | "xla"``.
+  """
+  core = _Core(**locals())
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    return core.step(
+        updates, state, None, mode="precond",
+        decays=[False] * len(jax.tree.leaves(updates)),
+        scalars_fn=lambda count, scale: kk.kron_scalars(count, b1=b1, grad_scale=scale),
+        grad_scale=None,
+    )
+
+  return optax.GradientTransformationExtraArgs(core.init, update_fn)
+
+
+# `kron` builds its core from the same arguments.
+_CORE_ARGS = tuple(inspect.signature(scale_by_kron).parameters)
+
+
+def kron(
+    learning_rate: optax.ScalarOrSchedule = 0.001,
+    b1: float = 0.9,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+    preconditioner_update_probability: float | Callable[[int], float] = precond_update_prob_schedule(),
+    max_size_triangular: int = 8192,
+    min_ndim_triangular: int = 2,
+    memory_save_mode: str | None = None,
+    momentum_into_precond_update: bool = True,
+    preconditioner_lr: float = 0.1,
+    preconditioner_init_scale: float = 1.0,
+    mu_dtype: Any | None = None,
+    precond_dtype: Any | None = None,
+    precond_update_precision: str | None = "tensorfloat32",
+    precond_grads_precision: str | None = None,
+    scanned_layers: Any | None = None,
+    lax_map_scanned_layers: bool = False,
+    lax_map_batch_size: int = 8,
+    *,
+    stacked_axes: int = 0,
+    impl: str = "auto",
+) -> FusedGradientTransformation:
+  r"""PSGD Kron, a drop-in for psgd_jax 0.2.9's ``kron``.
+
+  ``scale_by_kron`` followed by decoupled weight decay (``weight_decay > 0``,
+  on ``weight_decay_mask``) and the learning rate:
+  :math:`u = -\eta_t (\mathrm{clip}(P \hat m) + \lambda p)`. Same arguments
+  and state as psgd_jax (``(scale_by_kron dict, [decay state], lr state)``);
+  see `scale_by_kron` and the module docstring.
+
+  ``update`` returns Optax updates, one fused kernel (a) per leaf;
+  ``apply_gradients(params, grads, state, *, grad_scale=None,
+  learning_rate=None)`` writes ``p + u`` and the momentum in place instead.
+
+  Raises:
+    ValueError: a hyperparameter out of range; mismatched grads and state.
+    TypeError: a leaf (or ``mu_dtype``/``precond_dtype``) not float32/bfloat16.
+  """
+  v.check_hyperparameter(_OWNER, "learning_rate", learning_rate)
+  v.check_hyperparameter(_OWNER, "weight_decay", weight_decay)
+  if callable(weight_decay):
+    raise TypeError(f"{_OWNER}: weight_decay must be a scalar (psgd_jax takes no schedule).")
+  args = locals()
+  core = _Core(**{name: args[name] for name in _CORE_ARGS})
+  with_decay = v._concrete_value(weight_decay) != 0.0
+  decay_tx = optax.add_decayed_weights(weight_decay, weight_decay_mask)
+  lr_tx = optax.scale_by_learning_rate(learning_rate)
+
+  def init_fn(params):
+    parts = [core.init(params)]
+    if with_decay:
+      parts.append(decay_tx.init(params))
+    return (*parts, lr_tx.init(params))
+
+  def step(grads, state, params, mode, grad_scale=None, learning_rate_now=None):
+    kron_state, *decay_state, lr_state = state
+    decays = (
+        v.broadcast_mask(_OWNER, weight_decay_mask, grads)
+        if decay_state else [False] * len(jax.tree.leaves(grads))
+    )
+    if params is None:
+      if mode == "apply" or any(decays):
+        raise ValueError(
+            f"{_OWNER}: params are required "
+            + ("to apply gradients." if mode == "apply" else "for weight decay.")
+        )
+    else:
+      v.check_same_tree(_OWNER, "params", params, "grads", grads)
+      v.check_float_leaves(_OWNER, "params", params)
+    if learning_rate_now is None:
+      learning_rate_now = (
+          learning_rate(schedule_count(lr_state)) if callable(learning_rate) else learning_rate
+      )
+    first, kron_state = core.step(
+        grads, kron_state, params, mode=mode, decays=decays, grad_scale=grad_scale,
+        scalars_fn=lambda count, scale: kk.kron_scalars(
+            count, learning_rate_now, b1, weight_decay if decay_state else 0.0, scale
+        ),
+    )
+    return first, (kron_state, *decay_state, advance_schedule(lr_state))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    return step(updates, state, params, "updates")
+
+  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
+    return step(grads, state, params, "apply", grad_scale, learning_rate)
+
+  return FusedGradientTransformation(init_fn, update_fn, apply_fn)
