@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from helpers import assert_close, assert_trees_close
 from pipeline_model import layer, make_batch, make_layers, mse, sequential
