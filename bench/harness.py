@@ -69,12 +69,13 @@ How a configuration is measured
 3. GPU: CUPTI kernel timing (`jax.experimental.mosaic.gpu.profiler`'s
    engine): each sample is the summed device time of the kernels of one call
    of the compiled step. This is the primary number when it works.
-4. Everywhere: wall clock. Each sample runs ``n`` iterations of a jitted
-   ``lax.fori_loop`` that steps each of the ``R`` sets once, then
-   ``block_until_ready``; ``n`` is calibrated so a sample lasts at least
-   `Settings.sample_s` (tiny steps are not dominated by dispatch), and the
-   sample is divided by ``n * R``. An ``optimization_barrier`` ties the
-   consts to the loop carry so XLA cannot hoist grad-only math out of the loop.
+4. Everywhere: wall clock, with ``block_until_ready``. A step slower than
+   `Settings.loop_below_s` is timed one call per sample (rotating the sets).
+   A tiny step would be dominated by dispatch, so each sample runs ``n``
+   iterations of a jitted ``lax.fori_loop`` that steps each of the ``R`` sets
+   once, divided by ``n * R``; ``n`` is calibrated so a sample lasts at least
+   `Settings.sample_s`. An ``optimization_barrier`` ties the consts to the
+   loop carry so XLA cannot hoist grad-only math out of the loop.
 5. Statistics over the samples: median, min, max, mean, std and spread
    ((max - min) / median). After warm-up, at least 3 and at most
    `Settings.iters` samples, stopping early past `Settings.max_time_s`.
@@ -231,21 +232,42 @@ def fused_step(tx) -> StepFn:
   return step
 
 
-def random_tree(key: jax.Array, specs: Any, *, positive: bool = False, scale: float = 1.0) -> Any:
-  """A tree of random normal arrays shaped like ``specs`` (ShapeDtypeStructs).
+def _mix32(x: jax.Array) -> jax.Array:
+  """A 32-bit integer hash (an avalanche mixer of the "lowbias32" kind)."""
+  x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+  x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
 
-  ``positive`` takes ``|x| + 1e-3`` (e.g. second moments); never zeros.
+
+def random_tree(
+    key: jax.Array, specs: Any, *, positive: bool = False, scale: float = 1.0, stream: int = 0
+) -> Any:
+  """A tree of pseudo-random arrays shaped like ``specs`` (ShapeDtypeStructs).
+
+  Values are uniform with unit variance times ``scale`` and never zero;
+  ``positive`` takes ``|x| + 1e-3`` (e.g. second moments). ``key`` and
+  ``stream`` pick the sequence: use one stream per tree drawn from one key.
+  Each element is a counter-based integer hash of (key, stream, element
+  index): a threefry draw per leaf would make XLA compile a large RNG kernel
+  per leaf, which takes seconds per tree on a CPU.
   """
+  data = jax.random.key_data(key).ravel().astype(jnp.uint32)
+  seed = _mix32(jnp.uint32(0x9E3779B9 * (stream + 1) & 0xFFFFFFFF))
+  for word in data:
+    seed = _mix32(seed ^ word)
   leaves, treedef = jax.tree.flatten(specs)
-  keys = jax.random.split(key, max(1, len(leaves)))
-
-  def one(k, spec):
-    x = jax.random.normal(k, spec.shape, jnp.float32) * scale
+  out, offset = [], 0
+  for spec in leaves:
+    n = math.prod(spec.shape)
+    bits = _mix32(jax.lax.iota(jnp.uint32, max(n, 1))[:n] + jnp.uint32(offset & 0xFFFFFFFF) + seed)
+    # 24 random bits -> an odd multiple of 2**-24 in (-1, 1): never zero.
+    u = ((bits >> 8).astype(jnp.float32) * 2.0 - (2**24 - 1)) * 2.0**-24
+    x = u * (scale * 3**0.5)
     if positive:
       x = jnp.abs(x) + 1e-3
-    return x.astype(spec.dtype)
-
-  return treedef.unflatten([one(k, s) for k, s in zip(keys, leaves)])
+    out.append(x.reshape(spec.shape).astype(spec.dtype))
+    offset += n
+  return treedef.unflatten(out)
 
 
 def randomize_floats(key: jax.Array, tree: Any, *, positive: bool = True, scale: float = 0.1) -> Any:
@@ -254,16 +276,15 @@ def randomize_floats(key: jax.Array, tree: Any, *, positive: bool = True, scale:
   Integer leaves (step counters) are kept. The default (small positive values)
   suits moment estimates; a family whose state needs other values (e.g.
   preconditioner matrices) passes its own ``prepare_state`` to `optimizer_case`.
+  Uses `random_tree` stream 2 of ``key`` (streams 0 and 1 are the params and
+  grads of `optimizer_case`).
   """
   leaves, treedef = jax.tree.flatten(tree)
-  keys = jax.random.split(key, max(1, len(leaves)))
-  out = []
-  for k, x in zip(keys, leaves):
-    if jnp.issubdtype(x.dtype, jnp.floating) and x.size:
-      spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
-      x = random_tree(k, spec, positive=positive, scale=scale)
-    out.append(x)
-  return treedef.unflatten(out)
+  where = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+  specs = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in where]
+  for i, x in zip(where, random_tree(key, specs, positive=positive, scale=scale, stream=2)):
+    leaves[i] = x
+  return treedef.unflatten(leaves)
 
 
 def optimizer_case(
@@ -306,10 +327,9 @@ def optimizer_case(
   specs = workload.tree
 
   def inputs(key):
-    kp, kg, ks = jax.random.split(key, 3)
-    params = random_tree(kp, specs)
-    grads = random_tree(kg, specs)
-    state = prepare_state(ks, optax_tx.init(params))
+    params = random_tree(key, specs, stream=0)
+    grads = random_tree(key, specs, stream=1)
+    state = prepare_state(key, optax_tx.init(params))
     return (params, state), grads
 
   impls = (
@@ -441,8 +461,9 @@ def kernel_label(kernel_impl: str, platform: str) -> str:
   if platform == "gpu" and kernel_impl == "pallas":
     return "triton"
   if platform == "gpu":
-    # "auto" picks Triton on CUDA and the XLA reference on other GPUs.
-    return "triton" if "cuda" in jax.devices()[0].client.platform_version.lower() else "xla"
+    # "auto" picks Triton on CUDA and the XLA reference on other GPUs (ROCm).
+    version = getattr(jax.devices()[0].client, "platform_version", "")
+    return "xla" if "rocm" in str(version).lower() else "triton"
   if kernel_impl == "pallas":
     raise ValueError(
         f"impl='pallas' cannot compile on {platform!r}; use --interpret (tests) or 'xla'."
@@ -463,6 +484,8 @@ class Settings:
     warmup: warm-up calls before timing.
     iters: timed samples (at most).
     sample_s: the shortest wall-clock sample; tiny steps loop until it.
+    loop_below_s: steps faster than this are timed in a jitted loop (their
+      dispatch would dominate single calls); slower ones one call per sample.
     max_time_s: stop sampling a configuration after this long (>= 3 samples).
     rotate_bytes: rotate input sets until they cover this many bytes.
     max_rotations: at most this many input sets...
@@ -477,6 +500,7 @@ class Settings:
   warmup: int = 2
   iters: int = 20
   sample_s: float = 2e-3
+  loop_below_s: float = 1e-3
   max_time_s: float = 3.0
   rotate_bytes: int = 256 << 20
   max_rotations: int = 16
@@ -494,9 +518,9 @@ class Settings:
     if tier == "ci":
       base.update(warmup=1, iters=3, sample_s=5e-4, max_time_s=0.5, rotate_bytes=1 << 20, max_rotations=2)
     elif tier == "quick":
-      base.update(warmup=2, iters=10, max_time_s=1.5)
+      base.update(warmup=2, iters=10, max_time_s=1.0)
     else:
-      base.update(warmup=3, iters=50, max_time_s=10.0)
+      base.update(warmup=3, iters=30, max_time_s=5.0)
     if platform == "cpu" and tier != "ci":
       # Past the last-level cache of a typical host; CPU steps are slow anyway.
       base.update(rotate_bytes=64 << 20, sample_s=5e-3)
@@ -549,19 +573,42 @@ def _loop_runner(step: StepFn):
   return jax.jit(run, donate_argnums=0)
 
 
-def _time_wall(step: StepFn, carries: list, consts: list, s: Settings) -> tuple[dict, list]:
+def _more(samples: list, start: float, s: Settings) -> bool:
+  """Whether to take another sample: up to `iters`, at least 3, within time."""
+  if len(samples) >= s.iters:
+    return False
+  return len(samples) < 3 or time.perf_counter() - start < s.max_time_s
+
+
+def _time_wall(compiled, step: StepFn, carries: list, consts: list, s: Settings) -> tuple[dict, list]:
+  """Wall-clock samples: single calls, or a `_loop_runner` for tiny steps."""
+  rotations, first = len(carries), []
+  for i in range(max(3, s.warmup)):
+    r = i % rotations
+    t0 = time.perf_counter()
+    carries[r] = jax.block_until_ready(compiled(carries[r], consts[r]))
+    first.append(time.perf_counter() - t0)
+  samples, start = [], time.perf_counter()
+  if min(first) >= s.loop_below_s:
+    while _more(samples, start, s):
+      r = len(samples) % rotations
+      t0 = time.perf_counter()
+      carries[r] = jax.block_until_ready(compiled(carries[r], consts[r]))
+      samples.append((time.perf_counter() - t0) * 1e3)
+    return {**_stats(samples), "timing": "wall", "steps_per_sample": 1}, carries
+
   runner = _loop_runner(step)
-  carries = list(jax.block_until_ready(runner(tuple(carries), tuple(consts), s.warmup)))
+  carries = list(jax.block_until_ready(runner(tuple(carries), tuple(consts), 1)))
   t0 = time.perf_counter()
   carries = list(jax.block_until_ready(runner(tuple(carries), tuple(consts), 1)))
   one = time.perf_counter() - t0
   n = int(min(100_000, max(1, math.ceil(s.sample_s / max(one, 1e-9)))))
-  samples, start = [], time.perf_counter()
-  while len(samples) < s.iters and (len(samples) < 3 or time.perf_counter() - start < s.max_time_s):
+  start = time.perf_counter()
+  while _more(samples, start, s):
     t0 = time.perf_counter()
     carries = list(jax.block_until_ready(runner(tuple(carries), tuple(consts), n)))
-    samples.append((time.perf_counter() - t0) * 1e3 / (n * len(carries)))
-  return {**_stats(samples), "steps_per_sample": n * len(carries)}, carries
+    samples.append((time.perf_counter() - t0) * 1e3 / (n * rotations))
+  return {**_stats(samples), "timing": "wall-loop", "steps_per_sample": n * rotations}, carries
 
 
 class _Cupti:
@@ -576,7 +623,10 @@ class _Cupti:
   def __init__(self):
     from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
 
-    self._ext = profiler.mosaic_gpu_lib._mosaic_gpu_ext
+    lib = getattr(profiler, "mosaic_gpu_lib", None)
+    if lib is None:
+      from jax._src.lib import mosaic_gpu as lib  # noqa: PLC0415
+    self._ext = lib._mosaic_gpu_ext
     if not (hasattr(self._ext, "_cupti_init") and hasattr(self._ext, "_cupti_get_timings")):
       raise RuntimeError("this jaxlib's mosaic_gpu extension has no CUPTI timer")
 
@@ -593,9 +643,7 @@ class _Cupti:
     jax.block_until_ready(carries)
     samples_ms: list[float] = []
     start = time.perf_counter()
-    while len(samples_ms) < s.iters and (
-        len(samples_ms) < 3 or time.perf_counter() - start < s.max_time_s
-    ):
+    while _more(samples_ms, start, s):
       batch = min(len(carries), s.iters - len(samples_ms))
       self._ext._cupti_init()
       try:
@@ -691,14 +739,13 @@ def _measure(
       out.update(timing="cupti", **device)
     except Exception as e:  # noqa: BLE001 - fall back, and say why
       timing_note = f"CUPTI unavailable, wall clock used: {type(e).__name__}: {e}"
-      carries, consts = _make_sets(inputs, rotations, seed)  # donated ones may be gone
-  wall, carries = _time_wall(scoped, carries, consts, s)
+      del carries, consts  # some may have been donated already: draw afresh
+      carries, consts = _make_sets(inputs, rotations, seed)
+  wall, carries = _time_wall(compiled, scoped, carries, consts, s)
   if out.get("timing") == "cupti":
-    out["wall_median_ms"] = wall["median_ms"]
-    out["wall_steps_per_sample"] = wall["steps_per_sample"]
+    out.update(wall_timing=wall["timing"], wall_median_ms=wall["median_ms"])
   else:
-    out.update(timing="wall-loop", **wall)
-    out["wall_median_ms"] = wall["median_ms"]
+    out.update(wall, wall_timing=wall["timing"], wall_median_ms=wall["median_ms"])
   out["timing_note"] = timing_note
   out["finite"] = _all_finite(carries[0])
 
@@ -714,6 +761,18 @@ def _measure(
     out["profile"] = str(folder)
   del carries, consts
   return out
+
+
+# Ceilings measured in this process, by (measure, device kind, tier, timing):
+# every `run` of one process (e.g. several scripts or resumed sweeps) shares them.
+_CEILINGS: dict[tuple, dict] = {}
+
+
+def _ceiling(measure: Callable[[Environment, Settings], dict], env: Environment, s: Settings) -> dict:
+  key = (measure.__name__, env.device_kind, s.tier, s.timing)
+  if key not in _CEILINGS:
+    _CEILINGS[key] = measure(env, s)
+  return _CEILINGS[key]
 
 
 def _ceiling_copy(env: Environment, s: Settings) -> dict:
@@ -738,8 +797,8 @@ def _ceiling_matmul(env: Environment, s: Settings) -> dict:
   spec = jax.ShapeDtypeStruct((d, d), jnp.bfloat16)
 
   def inputs(key):
-    ka, kb, kc = jax.random.split(key, 3)
-    return random_tree(kc, spec), (random_tree(ka, spec), random_tree(kb, spec))
+    draw = lambda stream: random_tree(key, spec, stream=stream)
+    return draw(0), (draw(1), draw(2))
 
   def step(c, ab):
     a, b = ab
@@ -829,20 +888,22 @@ def format_table(records: Sequence[dict]) -> str:
   """A Markdown table of records, grouped by case in record order."""
   unit = lambda r: "TFLOP/s" if r.get("metric") == "compute" else "GB/s"
   header = (
-      "| case | impl | kernel | median ms | min-max ms | speed | % peak | % copy | vs optax "
-      "| compile s | footprint MiB |"
+      "| case | impl | kernel | median ms | min-max ms | wall ms | speed | % peak | % copy "
+      "| vs optax | compile s | footprint MiB |"
   )
   lines = [header, "| " + " | ".join(["---"] * (header.count("|") - 1)) + " |"]
   for r in records:
     if r.get("error"):
-      lines.append(f"| {r['case']} | {r['impl']} | {r['kernel']} | ERROR: {r['error'][:80]} |" + " |" * 7)
+      lines.append(f"| {r['case']} | {r['impl']} | {r['kernel']} | ERROR: {r['error'][:80]} |" + " |" * 8)
       continue
     mem = r.get("memory") or {}
     lines.append(
-        "| {case} | {impl} | {kernel} | {med} | {rng} | {speed} | {peak} | {copy} | {ratio} | {comp} | {mem} |".format(
+        "| {case} | {impl} | {kernel} | {med} | {rng} | {wall} | {speed} | {peak} | {copy} | {ratio} "
+        "| {comp} | {mem} |".format(
             case=r["case"], impl=r["impl"], kernel=r["kernel"],
             med=_fmt(r["median_ms"], ".4g"),
             rng=f"{r['min_ms']:.4g}-{r['max_ms']:.4g}",
+            wall=_fmt(r.get("wall_median_ms"), ".4g"),
             speed="-" if r.get("achieved") is None else f"{r['achieved']:.4g} {unit(r)}",
             peak=_fmt(r.get("peak_pct"), ".1f"),
             copy=_fmt(r.get("copy_pct"), ".1f"),
@@ -851,7 +912,30 @@ def format_table(records: Sequence[dict]) -> str:
             mem=_fmt(mem.get("footprint") and mem["footprint"] / 2**20, ".1f"),
         )
     )
-  return "\n".join(lines)
+  return "\n".join(lines + ["", _legend(records)])
+
+
+def _legend(records: Sequence[dict]) -> str:
+  """How to read the table, with this run's timing methods and ceilings."""
+  timings = sorted({r["timing"] for r in records if r.get("timing")})
+  methods = {
+      "cupti": "cupti = summed CUPTI kernel time of one step",
+      "wall": "wall = wall clock of one blocking call",
+      "wall-loop": "wall-loop = wall clock of a jitted loop of steps, per step",
+  }
+  ceilings = {
+      f"{c['gbps']:.1f} GB/s" if "gbps" in c else f"{c['tflops']:.1f} TFLOP/s"
+      for r in records if (c := r.get("copy_ceiling"))
+  }
+  return (
+      f"median/min-max ms: {'; '.join(methods[t] for t in timings) or '-'}. "
+      "wall ms: median wall clock. speed: the case's floor (bytes or flops of the fused "
+      "kernel's cost estimate) / median, so the rows of a case compare directly. % peak: of the "
+      "datasheet; % copy: of the ceiling measured in this run "
+      f"({', '.join(sorted(ceilings)) or '-'}). vs optax: optax median / this median "
+      "(> 1 is faster). footprint: argument + output - aliased + temp bytes of the "
+      "compiled step (memory_analysis)."
+  )
 
 
 def _attach_ratios(records: list[dict]) -> None:
@@ -914,10 +998,10 @@ def run(
 
   ceilings: dict[str, Any] = {}
   if todo:
-    ceilings["copy"] = _ceiling_copy(env, settings)
+    ceilings["copy"] = _ceiling(_ceiling_copy, env, settings)
     _progress(f"copy ceiling: {ceilings['copy']['gbps']:.1f} GB/s ({ceilings['copy']['timing']})")
     if any(c[0].metric == "compute" for c in todo):
-      ceilings["matmul"] = _ceiling_matmul(env, settings)
+      ceilings["matmul"] = _ceiling(_ceiling_matmul, env, settings)
       _progress(f"bf16 matmul ceiling: {ceilings['matmul']['tflops']:.1f} TFLOP/s")
 
   base_median: dict[str, float] = {
@@ -995,7 +1079,8 @@ def parser(description: str, default_tier: str) -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=int, help="warm-up steps")
   p.add_argument("--max-time", type=float, dest="max_time_s", help="seconds of sampling per configuration")
   p.add_argument("--kernel-impls", default="auto",
-                 help="comma-separated impl= values for the pallasopt rows (auto,pallas,xla)")
+                 help="comma-separated impl= values for the pallasopt rows (auto,pallas,xla); "
+                 "on a CPU, auto means xla")
   p.add_argument("--interpret", action="store_true",
                  help="run the pallasopt rows in the Pallas interpreter (tests; not a speed)")
   p.add_argument("--timing", choices=("auto", "wall"), default="auto",
@@ -1027,6 +1112,10 @@ def main(
   kernel_impls = ("interpret",) if args.interpret else tuple(
       k.strip() for k in args.kernel_impls.split(",") if k.strip()
   )
+  if env_platform == "cpu" and kernel_impls == ("auto",):
+    # "auto" lowers to the XLA reference on a CPU; asking for it directly
+    # compiles the same program without tracing the TPU and Triton branches.
+    kernel_impls = ("xla",)
   settings = Settings.for_tier(
       args.tier, env_platform, iters=args.iters, warmup=args.warmup, max_time_s=args.max_time_s,
       kernel_impls=kernel_impls, timing=args.timing, profile_dir=args.profile_dir,

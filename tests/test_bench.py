@@ -1,0 +1,233 @@
+"""The bench scripts, end to end at tiny sizes on the CPU, so they cannot rot.
+
+These run the XLA paths (and one Pallas-interpreter configuration) and check
+the plumbing: JSONL records, resume, the table, the plot, the bytes models.
+They measure nothing worth reading.
+"""
+
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# `bench/` is a folder at the repository root, run as `python -m bench` from
+# there and not installed: make the root importable as `python -m` does.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from bench import cases_adamw, harness, kernels, plot, workloads  # noqa: E402
+from pallasopt.kernels._compat import pl  # noqa: E402
+
+CI_FILTER = r"adamw/(leaf/f32/1000|decoder-tiny)"
+
+
+def _run(argv, capsys):
+  records = kernels.main(argv, default_tier="ci")
+  out, err = capsys.readouterr()
+  return records, out, err
+
+
+@pytest.fixture(scope="module")
+def ci_results(tmp_path_factory):
+  """One ci-tier run (6 configurations) shared by the tests that read it."""
+  path = tmp_path_factory.mktemp("bench") / "kernels-ci.jsonl"
+  records = kernels.main(["--filter", CI_FILTER, "--out", str(path)], default_tier="ci")
+  return path, records
+
+
+def test_ci_run_writes_one_record_per_configuration(ci_results):
+  path, records = ci_results
+  lines = [json.loads(line) for line in path.read_text().splitlines()]
+  assert [r["key"] for r in lines] == [r["key"] for r in records]
+  assert len(lines) == 6  # 2 cases x (optax, pallasopt.update, pallasopt.fused)
+  for r in lines:
+    assert not r.get("error"), r
+    assert r["device_kind"] == jax.devices()[0].device_kind
+    assert r["jax"] == jax.__version__ and r["optax"] and r["git_commit"]
+    assert r["kernel"] == "xla"  # on a CPU the pallasopt rows time the XLA path
+    assert r["timing"] in ("wall", "wall-loop")
+    assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+    assert r["samples"] >= 3 and r["compile_s"] > 0 and r["finite"]
+    assert r["achieved"] == pytest.approx(r["model_bytes"] / (r["median_ms"] * 1e-3) / 1e9)
+    assert r["copy_ceiling"]["gbps"] > 0 and r["copy_pct"] > 0
+    assert r["peak_pct"] is None  # no datasheet for a CPU
+    assert r["memory"]["footprint"] > 0
+  optax_row = next(r for r in lines if r["impl"] == "optax")
+  assert optax_row["vs_baseline"] == pytest.approx(1.0)
+
+
+def test_resume_skips_measured_configurations(ci_results, capsys):
+  path, records = ci_results
+  before = path.read_text()
+  again, out, err = _run(["--filter", CI_FILTER, "--out", str(path)], capsys)
+  assert path.read_text() == before
+  assert "6 already in" in err and "0 to measure" in err
+  assert [r["key"] for r in again] == [r["key"] for r in records]
+  assert "| adamw/decoder-tiny-stacked2x2/mixed/mu-f32 | pallasopt.fused | xla |" in out
+
+
+def test_table_says_what_was_timed(ci_results, capsys):
+  path, _ = ci_results
+  _, out, _ = _run(["--filter", CI_FILTER, "--out", str(path)], capsys)
+  assert "Pallas kernels would only run interpreted here and are NOT timed" in out
+  assert "| case | impl | kernel | median ms |" in out
+  assert path.with_suffix(".md").read_text().strip() == out.strip()
+
+
+def test_plot_writes_a_png(ci_results, tmp_path):
+  pytest.importorskip("matplotlib")
+  path, _ = ci_results
+  png = plot.main(["--in", str(path), "--out", str(tmp_path / "bench.png")])[0]
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_interpreted_rows_carry_no_speed(tmp_path, capsys):
+  path = tmp_path / "interpret.jsonl"
+  records, out, _ = _run(
+      ["--interpret", "--filter", r"adamw/leaf/f32/1000/pallasopt\.fused", "--out", str(path)], capsys
+  )
+  (r,) = records
+  assert r["kernel"] == "interpret" and not r.get("error") and r["finite"]
+  assert r["achieved"] is None and r["peak_pct"] is None and r["vs_baseline"] is None
+  assert "INTERPRETER" in out and "NOT a kernel speed" in out
+
+
+def test_a_failing_configuration_is_recorded_and_retried(tmp_path, capsys):
+  spec = jax.ShapeDtypeStruct((8,), jnp.float32)
+
+  def broken(kernel_impl):
+    def step(carry, consts):
+      raise RuntimeError("boom")
+    return step
+
+  case = harness.Case(
+      family="test", workload="leaf", label="f32/8", params=8, leaves=1,
+      inputs=lambda key: (harness.random_tree(key, spec), ()),
+      impls=(harness.Impl("broken", broken, pallas=False),), bytes=64,
+  )
+  settings = harness.Settings.for_tier("ci", "cpu")
+  path = tmp_path / "errors.jsonl"
+  (r,) = harness.run([case], settings, path)
+  assert "boom" in r["error"]
+  assert "ERROR: RuntimeError: boom" in capsys.readouterr().out
+  harness.run([case], settings, path)  # errors are measured again, not skipped
+  assert len(harness.load_records(path)) == 2
+
+
+def test_loop_runner_equals_sequential_steps():
+  step = lambda c, k: (c[0] * 0.5 + k[0], c[1] + jnp.sum(c[0]) * k[1])
+  carries = [(jnp.arange(4.0), jnp.float32(0)), (jnp.ones(4), jnp.float32(1))]
+  consts = [(jnp.full(4, 2.0), jnp.float32(3)), (jnp.full(4, -1.0), jnp.float32(0))]
+  want = []
+  for c, k in zip(carries, consts):
+    for _ in range(3):
+      c = step(c, k)
+    want.append(c)
+  got = harness._loop_runner(step)(tuple(jax.tree.map(jnp.copy, carries)), tuple(consts), 3)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def _cost_estimate_bytes(monkeypatch, fn, *args) -> int:
+  """Sum of ``bytes_accessed`` over every pallas_call `fn` makes when traced."""
+  seen = []
+  real = pl.pallas_call
+
+  def spy(*a, **kw):
+    seen.append(kw["cost_estimate"].bytes_accessed)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(pl, "pallas_call", spy)
+  jax.eval_shape(fn, *args)
+  return sum(seen)
+
+
+@pytest.mark.parametrize("workload,mu_dtype", [
+    (workloads.leaf(1000, "f32"), None),
+    (workloads.leaf(4096, "bf16"), jnp.float32),
+    (workloads.for_tier("ci", ("mixed",))[0], jnp.float32),  # masked decay, mixed dtypes
+    (workloads.for_tier("ci")[1], None),  # stacked layers
+], ids=lambda x: getattr(x, "name", str(x)))
+def test_adamw_bytes_model_equals_the_kernels_cost_estimates(monkeypatch, workload, mu_dtype):
+  case = cases_adamw.case(workload, mu_dtype)
+  carry, grads = jax.eval_shape(case.inputs, jax.random.key(0))
+  impls = {i.name: i for i in case.impls}
+  fused = impls["pallasopt.fused"].build("interpret")
+  assert _cost_estimate_bytes(monkeypatch, fused, carry, grads) == case.bytes
+  update = impls["pallasopt.update"].build("interpret")
+  decays = jax.tree.leaves(cases_adamw.decay_mask(workload)) or [True] * workload.leaves
+  assert _cost_estimate_bytes(monkeypatch, update, carry, grads) == (
+      cases_adamw.update_kernel_bytes(workload.tree, decays, mu_dtype)
+  )
+  if workload.label == "f32" or workload.label.startswith("f32/"):
+    assert case.bytes == 28 * workload.params  # DESIGN.md: 28 B/param fp32 AdamW
+
+
+@pytest.mark.parametrize("kind,name,gbps", [
+    ("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM", 3350),
+    ("NVIDIA H100 PCIe", "NVIDIA H100 PCIe", 2000),
+    ("NVIDIA H100 NVL", "NVIDIA H100 NVL", 3900),
+    ("NVIDIA H200", "NVIDIA H200 SXM", 4800),
+    ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB SXM", 2039),
+    ("NVIDIA A100 80GB PCIe", "NVIDIA A100 80GB PCIe", 1935),
+    ("NVIDIA A100-SXM4-40GB", "NVIDIA A100 40GB", 1555),
+    ("TPU v4", "TPU v4", 1200),
+    ("TPU v5 lite", "TPU v5e", 819),
+    ("TPU v5", "TPU v5p", 2765),
+    ("TPU v5p", "TPU v5p", 2765),
+    ("TPU v6 lite", "TPU v6e", 1638),
+])
+def test_datasheet_peaks_by_device_kind(kind, name, gbps):
+  peaks = harness.datasheet_peaks(kind)
+  assert (peaks.name, peaks.gbps) == (name, gbps)
+
+
+def test_no_datasheet_for_a_cpu():
+  assert harness.datasheet_peaks("cpu") is None
+
+
+def test_realistic_workloads_have_the_published_sizes():
+  small = workloads.gpt2(**workloads.GPT2_SMALL)
+  assert (small.leaves, round(small.params / 1e6, 1)) == (148, 124.4)
+  full = {w.name: w for w in workloads.for_tier("full", ("f32",))}
+  assert round(full["decoder-1b"].params / 1e9, 3) == 1.236  # Llama 3.2 1B
+  assert full["decoder-1b-stacked16"].params == full["decoder-1b"].params
+  assert full["decoder-1b-stacked4x4"].stacked_axes == 2
+  assert full["decoder-1b-stacked4x4"].leaves == 11
+  mixed = workloads.gpt2(**workloads.GPT2_SMALL, policy="mixed")
+  dtypes = {len(s.shape): s.dtype for s in jax.tree.leaves(mixed.tree)}
+  assert dtypes == {1: jnp.float32, 2: jnp.bfloat16}
+
+
+def test_rotation_covers_the_cache_within_limits():
+  s = harness.Settings(rotate_bytes=1 << 20, max_rotations=16, max_rotated_leaves=64)
+  assert harness._rotations(1 << 20, 1, s) == 1
+  assert harness._rotations(1 << 16, 1, s) == 16
+  assert harness._rotations(1 << 18, 1, s) == 4
+  assert harness._rotations(1 << 10, 32, s) == 2  # bounded by leaves per loop body
+
+
+def test_random_inputs_are_never_zero():
+  specs = {"a": jax.ShapeDtypeStruct((3, 5), jnp.bfloat16), "b": jax.ShapeDtypeStruct((7,), jnp.float32)}
+  tree = jax.jit(lambda k: harness.random_tree(k, specs, positive=True))(jax.random.key(0))
+  for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs)):
+    assert x.shape == s.shape and x.dtype == s.dtype and bool(jnp.all(x > 0))
+
+
+def test_results_folder_is_documented_and_ignores_cpu_runs():
+  results = pathlib.Path(harness.RESULTS_DIR)
+  assert (results / "README.md").exists()
+  assert "cpu/" in (results / ".gitignore").read_text().split()
+
+
+def test_profile_writes_a_perfetto_trace_per_configuration(tmp_path, capsys):
+  trace_dir = tmp_path / "trace"
+  (r,) = _run(
+      ["--filter", r"adamw/leaf/f32/1000/optax", "--out", str(tmp_path / "p.jsonl"),
+       "--profile", str(trace_dir)], capsys,
+  )[0]
+  assert pathlib.Path(r["profile"]).parent == trace_dir
+  assert list(pathlib.Path(r["profile"]).rglob("perfetto_trace.json.gz"))
