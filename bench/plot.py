@@ -49,7 +49,7 @@ def plot(records: Sequence[dict], out: str | pathlib.Path, title: str | None = N
   families = sorted({r["family"] for r in rows})
   use_peak = all(r.get("peak_pct") is not None for r in rows)
   fig, axes = plt.subplots(
-      len(families), 1, figsize=(10, 4.6 * len(families)), squeeze=False, constrained_layout=True
+      len(families), 1, figsize=(13, 4.6 * len(families)), squeeze=False, constrained_layout=True
   )
   impls = sorted({f"{r['impl']}[{r['kernel']}]" for r in rows})
   colour = {name: f"C{i % 10}" for i, name in enumerate(impls)}
@@ -87,13 +87,20 @@ def plot(records: Sequence[dict], out: str | pathlib.Path, title: str | None = N
     ax.set_ylabel(f"% of datasheet peak ({unit})" if use_peak else f"achieved {unit} (floor bytes / time)")
     if use_peak:
       ax.set_ylim(0, 105)
+    else:
+      ax.set_ylim(bottom=0)
     ax.set_title(f"{family}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="best", ncols=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   first = rows[0]
+  timings = "/".join(sorted({r.get("timing", "?") for r in rows}))
+  where = (
+      "CPU: XLA paths only, not Pallas kernel speeds" if first.get("platform") == "cpu"
+      else f"timing {timings}"
+  )
   fig.suptitle(title or (
       f"{first['device_kind']} | jax {first.get('jax')} | commit {str(first.get('git_commit'))[:10]} | "
-      f"timing {first.get('timing')}"
+      f"{where}"
   ), fontsize=10)
   out = pathlib.Path(out)
   out.parent.mkdir(parents=True, exist_ok=True)
