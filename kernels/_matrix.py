@@ -1,0 +1,153 @@
+"""Shared machinery for kernels over stacks of same-shape matrices.
+
+Matrix-valued optimizer kernels (Newton–Schulz for Muon, the Kron
+preconditioner updates) see their operands as a *stack* ``(batch, rows, cols)``
+and run one grid step per matrix, or per tile of a matrix. This module holds
+what such kernels share, so each family writes only its math:
+
+* `as_stack` / `from_stack`: any ``(..., rows, cols)`` array as a 3-D stack and
+  back (free reshapes).
+* `padded_dims` / `pad_stack` / `unpad_stack`: zero-padding of the last two
+  axes to block shapes that both Pallas targets accept and run well:
+  Mosaic TPU wants the last two dims in multiples of ``(8, 128)`` (we pad both
+  to 128, because a Gram matrix ``X Xᵀ`` puts the row count on the lane axis);
+  Triton wants power-of-two block dims, and its dots need ``M, N, K >= 16``.
+  Whether zero padding is exact depends on the math; each kernel says why.
+* `matrix_spec`: the `pl.BlockSpec` of one ``(rows, cols)`` block of a stack,
+  with the batch axis squeezed.
+* `scalar_operand`: per-call scalars (coefficient tables, step sizes) as a
+  kernel *input*: SMEM on TPU, a power-of-two f32 vector on Triton.
+* `compiler_params`: the backend's compiler parameters, always explicit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallasopt.kernels import _compat
+from pallasopt.kernels._compat import pl, pltpu
+from pallasopt.kernels._elementwise import _scalar_vector, _triton_scalar_width
+
+__all__ = [
+    "BACKENDS",
+    "round_up",
+    "pow2_at_least",
+    "as_stack",
+    "from_stack",
+    "padded_dims",
+    "pad_stack",
+    "unpad_stack",
+    "matrix_spec",
+    "scalar_operand",
+    "compiler_params",
+]
+
+BACKENDS = ("tpu", "triton")
+# Triton dots need every dimension >= 16.
+_TRITON_MIN_DIM = 16
+_TPU_ALIGN = 128
+
+
+def round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def pow2_at_least(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def _check_backend(backend: str) -> None:
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be 'tpu' or 'triton'; got {backend!r}.")
+
+
+def as_stack(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
+  """``x`` of shape ``(..., rows, cols)`` as ``(batch, rows, cols)``.
+
+  Returns the stack and the leading shape that `from_stack` restores.
+  """
+  if x.ndim < 2:
+    raise ValueError(f"expected an array of rank >= 2; got shape {x.shape}.")
+  lead = x.shape[:-2]
+  return x.reshape((math.prod(lead),) + x.shape[-2:]), lead
+
+
+def from_stack(stack: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+  return stack.reshape(lead + stack.shape[-2:])
+
+
+def padded_dims(rows: int, cols: int, backend: str) -> tuple[int, int]:
+  """The smallest legal, efficient block dims holding a ``rows x cols`` matrix."""
+  _check_backend(backend)
+  if backend == "tpu":
+    return round_up(rows, _TPU_ALIGN), round_up(cols, _TPU_ALIGN)
+  return (
+      max(_TRITON_MIN_DIM, pow2_at_least(rows)),
+      max(_TRITON_MIN_DIM, pow2_at_least(cols)),
+  )
+
+
+def pad_stack(stack: jax.Array, dims: tuple[int, int]) -> jax.Array:
+  """Zero-pads the last two axes of a stack to ``dims`` (no-op when equal)."""
+  rows, cols = stack.shape[-2:]
+  if (rows, cols) == tuple(dims):
+    return stack
+  return jnp.pad(stack, ((0, 0), (0, dims[0] - rows), (0, dims[1] - cols)))
+
+
+def unpad_stack(stack: jax.Array, dims: tuple[int, int]) -> jax.Array:
+  if stack.shape[-2:] == tuple(dims):
+    return stack
+  return stack[:, : dims[0], : dims[1]]
+
+
+def matrix_spec(
+    block: tuple[int, int], index_map: Callable[..., tuple] | None = None
+) -> pl.BlockSpec:
+  """BlockSpec of one ``block`` of a ``(batch, rows, cols)`` stack.
+
+  The batch axis is squeezed, so the kernel sees a 2-D ref. With no
+  ``index_map`` the grid is ``(batch,)`` and each step gets a whole matrix;
+  otherwise ``index_map(*grid_indices) -> (batch, row_block, col_block)``.
+  """
+  if index_map is None:
+    index_map = lambda b: (b, 0, 0)
+  return pl.BlockSpec((None, *block), index_map)
+
+
+def scalar_operand(
+    values: Sequence[jax.typing.ArrayLike] | jax.Array, backend: str, grid_rank: int
+) -> tuple[jax.Array, pl.BlockSpec]:
+  """Scalars as one kernel input and its BlockSpec, for a grid of ``grid_rank``.
+
+  Read them in the kernel as ``ref[k]``. Values change without recompiling.
+  """
+  _check_backend(backend)
+  values = jnp.ravel(jnp.asarray(values, jnp.float32))
+  vec = _scalar_vector(list(values), backend)
+  if backend == "tpu":
+    return vec, pl.BlockSpec(memory_space=pltpu.SMEM)
+  width = _triton_scalar_width(values.shape[0])
+  return vec, pl.BlockSpec((width,), lambda *_: (0,))
+
+
+def compiler_params(
+    backend: str,
+    dimension_semantics: Sequence[str],
+    *,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    vmem_limit_bytes: int | None = None,
+):
+  """Compiler params for ``backend`` (TPU: semantics + VMEM; Triton: warps)."""
+  _check_backend(backend)
+  if backend == "tpu":
+    return _compat.TPUCompilerParams(
+        dimension_semantics=tuple(dimension_semantics),
+        vmem_limit_bytes=vmem_limit_bytes,
+    )
+  return _compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -1,0 +1,647 @@
+r"""Newton–Schulz orthogonalization (Muon's inner loop) as Pallas kernels.
+
+For a matrix :math:`G` with SVD :math:`U S V^\top`, Muon replaces the update
+by an approximation of :math:`U V^\top`. With :math:`X_0 = G / (\|G\|_F +
+\epsilon)` (rows <= cols; a tall matrix is transposed first and back after),
+step :math:`k` with coefficients :math:`(a_k, b_k, c_k)` is
+
+.. math::
+
+  A_k = X_k X_k^\top, \quad B_k = b_k A_k + c_k A_k^2, \quad
+  X_{k+1} = a_k X_k + B_k X_k,
+
+an odd polynomial :math:`p_k(\sigma) = a_k\sigma + b_k\sigma^3 + c_k\sigma^5`
+applied to every singular value (Jordan, `Muon
+<https://kellerjordan.github.io/posts/muon/>`_, 2024; Amsel et al., `The Polar
+Express <https://arxiv.org/abs/2505.16932>`_, 2025). The coefficients are
+*data*: a ``(steps, 3)`` table (see `coefficient_table` for the ``(3,)``
+repeat and the ``cycle`` / ``repeat_last`` rules and `PRESETS` for the
+published tables), passed to the kernel as an input, so changing them never
+recompiles. Optax's preconditionings are supported: ``"frobenius"`` (above),
+``"spectral"`` (divide by :math:`\|G\|_2`), ``"aol"`` (Boissin et al., 2025:
+no prior scaling; the first step rescales row :math:`i` of :math:`X_0` by
+:math:`(\sum_j |A_{ij}|)^{-1/2}`), ``"schatten"`` (the first step divides
+:math:`X_0` by :math:`\|A_0\|_F^{1/2}`), and ``"none"``.
+
+Iteration dtype: ``iter_dtype`` (f32 or bf16) is the dtype X, A and B are
+held in between matmuls; every matmul accumulates in f32
+(``preferred_element_type``) and every epilogue (``b A + c A^2``,
+``a X + B X``) runs in f32 before one rounding to ``iter_dtype``.
+
+Regimes (`newton_schulz_kernel`, ``regime="auto"``):
+
+* **resident** (one launch, grid over the stack): X, A and B of one matrix stay
+  on chip for all steps, so a step costs no HBM traffic at all. Chosen when the
+  padded ``m x n`` matrix (``m <= n`` after transposing) fits: on TPU when the
+  f32 working set ``4 (6 m n + 3 m^2)`` bytes (X double-buffered in and out,
+  two temporaries, A, B, A²) is within `_TPU_RESIDENT_BYTES` (24 MiB, within
+  v5e/v6e's 128 MiB and v7's 64 MiB of VMEM, with the VMEM limit raised to
+  match); on Triton when ``m <= 64`` and ``m n <= 8192``: the whole matrix
+  lives in the registers and shared memory of one program (228 KiB of shared
+  memory and 64K registers per H100 SM), and larger blocks spill.
+* **tiled** (three launches per step): larger matrices. See `_tiled_step`.
+
+Zero padding (to the legal block dims of `_matrix.padded_dims`) is exact:
+with :math:`X' = [[X, 0], [0, 0]]`, :math:`A' = X'X'^\top = [[A, 0], [0, 0]]`,
+so :math:`B'` and :math:`X'_{k+1} = [[X_{k+1}, 0], [0, 0]]` keep the same
+block form at every step; the Frobenius norm and :math:`\|A\|_F` are
+unchanged, and the AOL row scaling multiplies only zero rows of the padding.
+
+Cost: 5 steps cost :math:`20 m^2 n + 10 m^3` flops as written; computing only
+the upper triangle of the symmetric :math:`A` and :math:`A^2` (tiled regime)
+makes it :math:`15 m^2 n + 5 m^3`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallasopt.kernels import _matrix
+from pallasopt.kernels._compat import pl, pltpu
+from pallasopt.kernels._dispatch import dispatch
+
+__all__ = [
+    "PRESETS",
+    "REPEAT_LAST_PRESETS",
+    "PRECONDITIONINGS",
+    "REGIMES",
+    "coefficient_table",
+    "preset_table",
+    "ns_flops",
+    "choose_regime",
+    "newton_schulz_reference",
+    "newton_schulz_kernel",
+    "newton_schulz",
+]
+
+# Published coefficient tables, as NVIDIA Emerging-Optimizers
+# (`orthogonalized_optimizers/muon_utils.py`) and Megatron-Core ship them.
+PRESETS: dict[str, tuple[tuple[float, float, float], ...]] = {
+    # Jordan's Muon (modded-nanogpt), repeated every step.
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    # Per-step quintic coefficients (Cesista, modded-nanogpt train_gpt_medium).
+    "quintic": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    # Amsel et al., The Polar Express (arXiv:2505.16932), with the 1.01 safety
+    # factor; the last row repeats for more steps.
+    "polar_express": (
+        (8.2051, -22.9019, 16.4607),
+        (4.0664, -2.8612, 0.5184),
+        (3.9096, -2.8234, 0.5250),
+        (3.2856, -2.4153, 0.4853),
+        (2.2779, -1.6198, 0.3985),
+        (1.8726, -1.2307, 0.3585),
+        (1.8564, -1.2132, 0.3568),
+        (1.8750, -1.2500, 0.3750),
+    ),
+    # Grishina et al., CANS (arXiv:2506.10935).
+    "cans": (
+        (8.4703, -25.1081, 18.6293),
+        (4.1828, -3.1087, 0.5806),
+        (3.9619, -2.9541, 0.5630),
+        (3.2866, -2.4647, 0.5074),
+        (2.2737, -1.6447, 0.4162),
+    ),
+    # Boissin et al., Turbo-Muon (arXiv:2512.04632), for AOL preconditioning.
+    "aol": (
+        (4.0098, -7.0585, 2.4635),
+        (3.4585, -5.5479, 2.5959),
+        (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    ),
+    # DeepSeek-V4: 8 fast steps, then 2 stabilizing steps towards exactly 1.
+    "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
+}
+# Tables whose last row repeats when more steps are asked for; others cycle.
+REPEAT_LAST_PRESETS = ("polar_express", "cans", "deepseekv4")
+PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten", "none")
+REGIMES = ("auto", "resident", "tiled")
+
+_TPU_RESIDENT_BYTES = 24 * 2**20
+_TPU_VMEM_HEADROOM = 8 * 2**20
+_TRITON_RESIDENT_ROWS = 64
+_TRITON_RESIDENT_ELEMENTS = 8192
+_TRITON_RESIDENT_WARPS = 8
+
+
+# ---- Coefficients. ----
+
+
+def coefficient_table(
+    coeffs: jax.typing.ArrayLike, steps: int | None = None, rule: str = "cycle"
+) -> jax.Array:
+  """The ``(steps, 3)`` f32 table of per-step ``(a, b, c)``.
+
+  Args:
+    coeffs: a ``(3,)`` triple, used for every step (``steps`` then required),
+      or an ``(n, 3)`` table (may be traced, e.g. read from optimizer state).
+    steps: number of steps; None for an ``(n, 3)`` table means ``n``.
+    rule: for a table with fewer rows than ``steps``: ``"cycle"`` restarts
+      from the first row, ``"repeat_last"`` repeats the last row.
+  """
+  coeffs = jnp.asarray(coeffs, jnp.float32)
+  if coeffs.ndim not in (1, 2) or coeffs.shape[-1] != 3:
+    raise ValueError(f"coeffs must have shape (3,) or (n, 3); got {coeffs.shape}.")
+  if rule not in ("cycle", "repeat_last"):
+    raise ValueError(f"rule must be 'cycle' or 'repeat_last'; got {rule!r}.")
+  if coeffs.ndim == 1:
+    if steps is None:
+      raise ValueError("steps is required with a (3,) coefficient triple.")
+    coeffs = coeffs[None]
+  rows = coeffs.shape[0]
+  steps = rows if steps is None else steps
+  if not isinstance(steps, (int, np.integer)) or steps < 1:
+    raise ValueError(f"steps must be a positive int; got {steps!r}.")
+  index = np.arange(steps)
+  index = index % rows if rule == "cycle" else np.minimum(index, rows - 1)
+  return coeffs[index]
+
+
+def preset_table(name: str, steps: int | None = None) -> np.ndarray:
+  """A published table (`PRESETS`) expanded to ``steps`` rows by its rule.
+
+  ``steps=None`` gives the table as published.
+  """
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}.")
+  rule = "repeat_last" if name in REPEAT_LAST_PRESETS else "cycle"
+  return np.asarray(coefficient_table(np.asarray(PRESETS[name]), steps, rule))
+
+
+def ns_flops(rows: int, cols: int, steps: int, *, symmetric: bool = False) -> int:
+  """Matmul flops of ``steps`` NS steps on one matrix (``m = min``, ``n = max``)."""
+  m, n = min(rows, cols), max(rows, cols)
+  per_step = 3 * m * m * n + m**3 if symmetric else 4 * m * m * n + 2 * m**3
+  return steps * per_step
+
+
+# ---- Math shared by the reference and the kernels (values, not refs). ----
+
+
+def _dot(a, b):
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _gram(x):
+  """``x xᵀ`` in f32 (contracting the last axis of both operands)."""
+  return jax.lax.dot_general(x, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _frobenius_scale(x, eps):
+  x = x.astype(jnp.float32)
+  return x / (jnp.sqrt(jnp.sum(x * x)) + eps)
+
+
+def _first_step_rescale(x, gram, preconditioning: str, eps: float):
+  """AOL / Schatten-4 rescaling of ``x`` and its Gram matrix (first step only)."""
+  x = x.astype(jnp.float32)
+  if preconditioning == "aol":
+    # A is symmetric: its column sums are its row sums, as a row vector.
+    col = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(gram), axis=1, keepdims=True), eps))
+    row = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(gram), axis=0, keepdims=True), eps))
+    return x * col, gram * col * row
+  s = jax.lax.rsqrt(jnp.maximum(jnp.sqrt(jnp.sum(gram * gram)), eps))
+  return x * s, gram * (s * s)
+
+
+def _ns_step(x, gram, a, b, c, dtype):
+  """``a X + (b A + (c A) A) X`` with f32 epilogues, rounded to ``dtype``."""
+  poly = b * gram + _dot((c * gram).astype(dtype), gram.astype(dtype))
+  return (a * x.astype(jnp.float32) + _dot(poly.astype(dtype), x.astype(dtype))).astype(dtype)
+
+
+def _ns_iterations(x, coeff, steps: int, preconditioning: str, eps: float, dtype):
+  """All steps on one wide matrix; ``coeff(k, j)`` reads coefficient j of step k."""
+  if preconditioning == "frobenius":
+    x = _frobenius_scale(x, eps)
+  x = x.astype(dtype)
+  for k in range(steps):
+    gram = _gram(x)
+    if k == 0 and preconditioning in ("aol", "schatten"):
+      x, gram = _first_step_rescale(x, gram, preconditioning, eps)
+      x = x.astype(dtype)
+    x = _ns_step(x, gram, coeff(k, 0), coeff(k, 1), coeff(k, 2), dtype)
+  return x
+
+
+def _spectral_prescale(stack, eps):
+  norms = jnp.linalg.norm(stack.astype(jnp.float32), ord=2, axis=(-2, -1), keepdims=True)
+  return stack.astype(jnp.float32) / (norms + eps)
+
+
+def _check_args(x, coeffs, preconditioning, iter_dtype):
+  if x.ndim < 2:
+    raise ValueError(f"x must have rank >= 2 (a stack of matrices); got shape {x.shape}.")
+  if coeffs.ndim != 2 or coeffs.shape[1] != 3:
+    raise ValueError(
+        f"coeffs must be a (steps, 3) table (see coefficient_table); got {coeffs.shape}."
+    )
+  if preconditioning not in PRECONDITIONINGS:
+    raise ValueError(
+        f"preconditioning must be one of {PRECONDITIONINGS}; got {preconditioning!r}."
+    )
+  dtype = jnp.dtype(x.dtype if iter_dtype is None else iter_dtype)
+  if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise TypeError(f"iter_dtype must be float32 or bfloat16; got {dtype}.")
+  return dtype
+
+
+def _wide_stack(x):
+  """``x`` as a stack of wide matrices (rows <= cols) and the undo function."""
+  stack, lead = _matrix.as_stack(x)
+  transposed = stack.shape[1] > stack.shape[2]
+  if transposed:
+    stack = jnp.swapaxes(stack, 1, 2)
+
+  def restore(out):
+    if transposed:
+      out = jnp.swapaxes(out, 1, 2)
+    return _matrix.from_stack(out, lead).astype(x.dtype)
+
+  return stack, restore
+
+
+def newton_schulz_reference(
+    x: jax.Array,
+    coeffs: jax.Array,
+    *,
+    preconditioning: str = "frobenius",
+    eps: float = 1e-8,
+    iter_dtype=None,
+):
+  """Pure-jnp Newton–Schulz of every matrix in ``x`` (the XLA path).
+
+  Equals `optax.contrib.orthogonalize_via_newton_schulz` for f32 inputs and the
+  same coefficients.
+
+  Args:
+    x: ``(..., rows, cols)``; leading axes are a batch of matrices.
+    coeffs: ``(steps, 3)`` table (`coefficient_table`).
+    preconditioning: one of `PRECONDITIONINGS`.
+    eps: added to the norm (``frobenius``, ``spectral``); floor of the
+      ``aol``/``schatten`` rescaling.
+    iter_dtype: f32 or bf16 dtype of the iterates (default: ``x.dtype``).
+
+  Returns:
+    The orthogonalized matrices, shape and dtype of ``x``.
+  """
+  coeffs = jnp.asarray(coeffs, jnp.float32)
+  dtype = _check_args(x, coeffs, preconditioning, iter_dtype)
+  stack, restore = _wide_stack(x)
+  if preconditioning == "spectral":
+    stack, preconditioning = _spectral_prescale(stack, eps), "none"
+  one = functools.partial(
+      _ns_iterations, coeff=lambda k, j: coeffs[k, j], steps=coeffs.shape[0],
+      preconditioning=preconditioning, eps=eps, dtype=dtype,
+  )
+  return restore(jax.vmap(one)(stack))
+
+
+# ---- Resident regime: one launch, all steps on chip. ----
+
+
+def _resident_kernel(scalar_ref, x_ref, o_ref, *, steps, preconditioning, dtype):
+  # scalar_ref = [eps, a_0, b_0, c_0, a_1, ...]: eps may be traced (e.g. by
+  # optax.inject_hyperparams), so it is data like the coefficients.
+  x = _ns_iterations(
+      x_ref[...], lambda k, j: scalar_ref[1 + 3 * k + j], steps, preconditioning,
+      scalar_ref[0], dtype,
+  )
+  o_ref[...] = x.astype(o_ref.dtype)
+
+
+def _resident_bytes(dims: tuple[int, int]) -> int:
+  m, n = dims
+  return 4 * (6 * m * n + 3 * m * m)
+
+
+def choose_regime(rows: int, cols: int, backend: str) -> str:
+  """``"resident"`` or ``"tiled"`` for one matrix (see the module docstring)."""
+  m, n = min(rows, cols), max(rows, cols)
+  dims = _matrix.padded_dims(m, n, backend)
+  if backend == "tpu":
+    return "resident" if _resident_bytes(dims) <= _TPU_RESIDENT_BYTES else "tiled"
+  fits = dims[0] <= _TRITON_RESIDENT_ROWS and dims[0] * dims[1] <= _TRITON_RESIDENT_ELEMENTS
+  return "resident" if fits else "tiled"
+
+
+def _cost(batch, m, n, steps, itemsize, *, symmetric):
+  return pl.CostEstimate(
+      flops=batch * ns_flops(m, n, steps, symmetric=symmetric),
+      transcendentals=batch,
+      bytes_accessed=2 * batch * m * n * itemsize,
+  )
+
+
+def _resident(stack, coeffs, *, preconditioning, eps, dtype, out_dtype, backend, interpret):
+  batch, m, n = stack.shape
+  steps = coeffs.shape[0]
+  dims = _matrix.padded_dims(m, n, backend)
+  scalars = jnp.concatenate([jnp.reshape(jnp.asarray(eps, jnp.float32), (1,)), coeffs.ravel()])
+  scalar_vec, scalar_spec = _matrix.scalar_operand(scalars, backend, grid_rank=1)
+  params = _matrix.compiler_params(
+      backend, ("parallel",), num_warps=_TRITON_RESIDENT_WARPS, num_stages=1,
+      vmem_limit_bytes=_resident_bytes(dims) + _TPU_VMEM_HEADROOM,
+  )
+  kernel = functools.partial(
+      _resident_kernel, steps=steps, preconditioning=preconditioning, dtype=dtype
+  )
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((batch, *dims), out_dtype),
+      grid=(batch,),
+      in_specs=[scalar_spec, _matrix.matrix_spec(dims)],
+      out_specs=_matrix.matrix_spec(dims),
+      compiler_params=None if interpret else params,
+      interpret=interpret,
+      name="newton_schulz_resident",
+      cost_estimate=_cost(batch, m, n, steps, jnp.dtype(stack.dtype).itemsize, symmetric=False),
+  )(scalar_vec, _matrix.pad_stack(stack, dims))
+  return _matrix.unpad_stack(out, (m, n))
+
+
+# ---- Tiled regime: three tiled matmuls per step, symmetric where possible. ----
+
+_DEFAULT_TILE = {"tpu": 256, "triton": 64}
+_TRITON_TILED_WARPS = 4
+_TRITON_TILED_STAGES = 2
+
+# How a kernel operand is read at grid point (i, j) and reduction step k:
+# "ik" / "jk" / "kj" / "ij" name the tile; "sym_" operands are symmetric
+# matrices of which only the upper triangle of tiles is ever written, so the
+# tile below the diagonal is read as the transpose of its mirror image.
+_KINDS = ("ik", "jk", "kj", "ij", "sym_ik", "sym_kj")
+
+
+def _tile_coords(kind: str, i, j, k):
+  """(tile row, tile col, transpose?) of operand ``kind`` at ``(i, j, k)``."""
+  r, c = {"ik": (i, k), "jk": (j, k), "kj": (k, j), "ij": (i, j)}[kind.removeprefix("sym_")]
+  if kind.startswith("sym_"):
+    return jnp.minimum(r, c), jnp.maximum(r, c), r > c
+  return r, c, None
+
+
+def _maybe_transpose(tile, flip):
+  return tile if flip is None else jnp.where(flip, tile.T, tile)
+
+
+def _tiled_body(
+    scalar_ref, *refs, kinds, prologue, epilogue, nt, upper_only, tile, num_k, backend
+):
+  """One output tile: ``epilogue(s, sum_k lhs_k · rhs_k, *epilogue_tiles)``.
+
+  ``refs`` are the operand refs (lhs, rhs, epilogue operands), the output ref
+  and, on TPU, the f32 accumulator. TPU walks k on the grid (the refs are the
+  tiles); Triton loops over k inside the kernel (the refs are whole matrices,
+  tiles are loaded with `pl.ds`).
+  """
+  num_in = len(kinds)
+  in_refs, out_ref = refs[:num_in], refs[num_in]
+  s = tuple(scalar_ref[q] for q in range(3))
+  i, j = pl.program_id(1), pl.program_id(2)
+  dims = (((1,), (1,)), ((), ())) if nt else (((1,), (0,)), ((), ()))
+
+  if backend == "tpu":
+    k, acc_ref = pl.program_id(3), refs[num_in + 1]
+
+    def load(q, k):
+      return _maybe_transpose(in_refs[q][...], _tile_coords(kinds[q], i, j, k)[2])
+  else:
+    def load(q, k):
+      r, c, flip = _tile_coords(kinds[q], i, j, k)
+      return _maybe_transpose(in_refs[q][pl.ds(r * tile, tile), pl.ds(c * tile, tile)], flip)
+
+  def product(k):
+    lhs, rhs = prologue(s, load(0, k), load(1, k))
+    return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+
+  def finish(acc):
+    extra = [load(q, None).astype(jnp.float32) for q in range(2, num_in)]
+    out_ref[...] = epilogue(s, acc, *extra).astype(out_ref.dtype)
+
+  def compute():
+    if backend == "tpu":
+      @pl.when(k == 0)
+      def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+      acc_ref[...] += product(k)
+
+      @pl.when(k == num_k - 1)
+      def _():
+        finish(acc_ref[...])
+    else:
+      acc = jax.lax.fori_loop(
+          0, num_k, lambda k, acc: acc + product(k), jnp.zeros((tile, tile), jnp.float32)
+      )
+      finish(acc)
+
+  if upper_only:
+    pl.when(j >= i)(compute)
+  else:
+    compute()
+
+
+def _tiled_call(
+    operands, kinds, scalars, out_shape, *, prologue, epilogue, nt, upper_only,
+    tile, num_k, backend, interpret, name, flops,
+):
+  """One tiled matmul with a fused prologue/epilogue over a stack."""
+  batch, rows, cols = out_shape.shape
+  grid_ij = (batch, rows // tile, cols // tile)
+  scalar_vec, scalar_spec = _matrix.scalar_operand(scalars, backend, grid_rank=4)
+  if backend == "tpu":
+    def spec(kind):
+      def index_map(b, i, j, k):
+        r, c, _ = _tile_coords(kind, i, j, k if kind != "ij" else 0)
+        return b, r, c
+      return _matrix.matrix_spec((tile, tile), index_map)
+
+    grid = grid_ij + (num_k,)
+    in_specs = [spec(kind) for kind in kinds]
+    out_spec = _matrix.matrix_spec((tile, tile), lambda b, i, j, k: (b, i, j))
+    scratch = [pltpu.VMEM((tile, tile), jnp.float32)]
+    semantics = ("parallel", "parallel", "parallel", "arbitrary")
+  else:
+    grid = grid_ij
+    in_specs = [_matrix.matrix_spec(x.shape[1:], lambda b, i, j: (b, 0, 0)) for x in operands]
+    out_spec = _matrix.matrix_spec((tile, tile), lambda b, i, j: (b, i, j))
+    scratch = []
+    semantics = ("parallel",) * 3
+  params = _matrix.compiler_params(
+      backend, semantics, num_warps=_TRITON_TILED_WARPS, num_stages=_TRITON_TILED_STAGES
+  )
+  kernel = functools.partial(
+      _tiled_body, kinds=kinds, prologue=prologue, epilogue=epilogue, nt=nt,
+      upper_only=upper_only, tile=tile, num_k=num_k, backend=backend,
+  )
+  nbytes = sum(x.size * x.dtype.itemsize for x in operands)
+  nbytes += out_shape.size * jnp.dtype(out_shape.dtype).itemsize
+  return pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=grid,
+      in_specs=[scalar_spec] + in_specs,
+      out_specs=out_spec,
+      scratch_shapes=scratch,
+      compiler_params=None if interpret else params,
+      interpret=interpret,
+      name=name,
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes),
+  )(scalar_vec, *operands)
+
+
+def _mirror_upper(sym, tile):
+  """The full symmetric matrix from its upper triangle of tiles (XLA)."""
+  blocks = jnp.arange(sym.shape[-1]) // tile
+  upper = blocks[:, None] <= blocks[None, :]
+  return jnp.where(upper, sym, jnp.swapaxes(sym, -1, -2))
+
+
+def _tiled_step(x, a_b_c, *, first_rescale, eps, dtype, tile, backend, interpret):
+  r"""One NS step on a padded stack ``x`` (``(batch, M, N)``, ``dtype``).
+
+  Three launches, each a tiled matmul with its epilogue fused:
+
+  1. ``A = X Xᵀ`` (f32): only tiles ``(i, j)`` with ``j >= i`` are computed
+     (:math:`M^2 N` instead of :math:`2 M^2 N` flops);
+  2. ``B = b A + (c A) A`` (``dtype``): ``A²`` is symmetric too, so again only
+     the upper tiles (:math:`M^3` instead of :math:`2 M^3`); tiles of ``A``
+     below the diagonal are read as transposes of their mirror tiles, and
+     ``b A`` is added in the epilogue;
+  3. ``X ← a X + B X``: a full tiled matmul reading ``B`` mirrored, with
+     ``a X`` added in the epilogue.
+
+  Lower tiles of ``A`` and ``B`` are never written nor read. On TPU the
+  reduction walks the innermost grid axis into a VMEM f32 accumulator; on
+  Triton each program loops over k itself.
+  """
+  batch, rows, cols = x.shape
+  f32 = jnp.float32
+  call = functools.partial(_tiled_call, tile=tile, backend=backend, interpret=interpret)
+  gram = call(
+      [x, x], ("ik", "jk"), a_b_c, jax.ShapeDtypeStruct((batch, rows, rows), f32),
+      prologue=lambda s, l, r: (l, r), epilogue=lambda s, acc: acc, nt=True,
+      upper_only=True, num_k=cols // tile, name="newton_schulz_gram",
+      flops=batch * rows * rows * cols,
+  )
+  if first_rescale is not None:
+    full = _mirror_upper(gram, tile)
+    x, gram = jax.vmap(functools.partial(_first_step_rescale, preconditioning=first_rescale, eps=eps))(x, full)
+    x = x.astype(dtype)
+  poly = call(
+      [gram, gram, gram], ("sym_ik", "sym_kj", "ij"), a_b_c,
+      jax.ShapeDtypeStruct((batch, rows, rows), dtype),
+      prologue=lambda s, l, r: ((s[2] * l).astype(dtype), r.astype(dtype)),
+      epilogue=lambda s, acc, g: s[1] * g + acc, nt=False, upper_only=True,
+      num_k=rows // tile, name="newton_schulz_poly", flops=batch * rows**3,
+  )
+  return call(
+      [poly, x, x], ("sym_ik", "kj", "ij"), a_b_c, jax.ShapeDtypeStruct(x.shape, dtype),
+      prologue=lambda s, l, r: (l, r), epilogue=lambda s, acc, xt: s[0] * xt + acc,
+      nt=False, upper_only=False, num_k=rows // tile, name="newton_schulz_update",
+      flops=2 * batch * rows * rows * cols,
+  )
+
+
+def _tiled(stack, coeffs, *, tile, preconditioning, eps, dtype, backend, interpret):
+  tile = _DEFAULT_TILE[backend] if tile is None else tile
+  if tile < 16 or tile & (tile - 1) or (backend == "tpu" and not interpret and tile % 128):
+    raise ValueError(
+        f"tile must be a power of two >= 16 (a multiple of 128 on TPU); got {tile}."
+    )
+  _, m, n = stack.shape
+  if preconditioning == "frobenius":
+    stack = jax.vmap(functools.partial(_frobenius_scale, eps=eps))(stack)
+  dims = (_matrix.round_up(m, tile), _matrix.round_up(n, tile))
+  x = _matrix.pad_stack(stack.astype(dtype), dims)
+  first_rescale = preconditioning if preconditioning in ("aol", "schatten") else None
+  for k in range(coeffs.shape[0]):
+    x = _tiled_step(
+        x, coeffs[k], first_rescale=first_rescale if k == 0 else None, eps=eps,
+        dtype=dtype, tile=tile, backend=backend, interpret=interpret,
+    )
+  return _matrix.unpad_stack(x, (m, n))
+
+
+def newton_schulz_kernel(
+    x: jax.Array,
+    coeffs: jax.Array,
+    *,
+    preconditioning: str = "frobenius",
+    eps: float = 1e-8,
+    iter_dtype=None,
+    backend: str,
+    interpret: bool = False,
+    regime: str = "auto",
+    tile: int | None = None,
+):
+  """Pallas Newton–Schulz; same arguments and results as the reference.
+
+  Args:
+    backend: ``"tpu"`` or ``"triton"``.
+    interpret: run in the Pallas interpreter.
+    regime: ``"auto"`` (by size, `choose_regime`), ``"resident"`` or
+      ``"tiled"``.
+    tile: tile edge of the tiled regime (default per backend); a power of two,
+      at least 16 (Triton) or a multiple of 128 (TPU).
+  """
+  coeffs = jnp.asarray(coeffs, jnp.float32)
+  dtype = _check_args(x, coeffs, preconditioning, iter_dtype)
+  if regime not in REGIMES:
+    raise ValueError(f"regime must be one of {REGIMES}; got {regime!r}.")
+  stack, restore = _wide_stack(x)
+  if preconditioning == "spectral":
+    stack, preconditioning = _spectral_prescale(stack, eps), "none"
+  if regime == "auto":
+    regime = choose_regime(stack.shape[1], stack.shape[2], backend)
+  kwargs = dict(
+      preconditioning=preconditioning, eps=eps, dtype=dtype, backend=backend,
+      interpret=interpret,
+  )
+  if regime == "resident":
+    out = _resident(stack, coeffs, out_dtype=dtype, **kwargs)
+  else:
+    out = _tiled(stack, coeffs, tile=tile, **kwargs)
+  return restore(out)
+
+
+def newton_schulz(
+    x: jax.Array,
+    coeffs: jax.Array,
+    *,
+    preconditioning: str = "frobenius",
+    eps: float = 1e-8,
+    iter_dtype=None,
+    impl: str = "auto",
+    regime: str = "auto",
+    tile: int | None = None,
+):
+  """Orthogonalizes every matrix of ``x`` (``(..., rows, cols)``) in one call.
+
+  Args:
+    x: a matrix or a stack of same-shape matrices (f32 or bf16).
+    coeffs: ``(steps, 3)`` table (`coefficient_table`, `preset_table`).
+    preconditioning: one of `PRECONDITIONINGS`.
+    eps: see `newton_schulz_reference`.
+    iter_dtype: f32 or bf16 iterates (default ``x.dtype``); f32 accumulation.
+    impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`).
+    regime, tile: see `newton_schulz_kernel` (ignored by the reference).
+  """
+  fn = dispatch(
+      newton_schulz_reference,
+      functools.partial(newton_schulz_kernel, regime=regime, tile=tile),
+      impl,
+  )
+  return fn(x, coeffs, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype)
