@@ -1,0 +1,654 @@
+r"""Muon as a drop-in for `optax.contrib.muon`, on the Newton–Schulz kernels.
+
+Muon (Jordan, `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024)
+keeps a momentum :math:`\mu` of each weight matrix and steps along an
+approximation of its orthogonal polar factor, computed by Newton–Schulz
+(`pallasopt.kernels.newton_schulz`). Leaves that are not matrices (and any the
+user routes away) get (N)AdamW, on the fused AdamW kernel, exactly as Optax
+routes them.
+
+The optimizer state is exactly ``optax.contrib.muon(...).init(params)``'s::
+
+  PartitionState(inner_states={
+      'adam': MaskedState((ScaleByAdamState, <decay state>, <lr state>)),
+      'muon': MaskedState((MuonState(count, mu, ns_coeffs), EmptyState(),
+                           <decay state>, <lr state>)),
+  })
+
+so ``state[0]['muon'][0][0].mu`` is the momentum and a checkpoint written with
+one optimizer restores into the other. Only the opt-in ``second_moment``
+option adds a fifth element to the Muon tuple (`MuonSecondMomentState`).
+
+Sharded matrices. Inside ``jit`` with sharded params, the Newton–Schulz
+kernel is an opaque custom call that XLA does not partition: every matrix is
+gathered, orthogonalized whole and the result resharded. That is the default,
+and it is exact (Megatron's ``"duplicated"`` mode). ``blockwise=(r, c)``
+instead orthogonalizes each of the ``r x c`` blocks of a matrix on its own
+(with its own shape scale): with blocks equal to the shards, no gather is
+needed. It is an approximation (Megatron's ``"blockwise"`` mode), so opt-in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax.contrib import MuonDimensionNumbers, MuonState
+
+from pallasopt.kernels import newton_schulz as ns
+from pallasopt.kernels._dispatch import resolve_impl
+from pallasopt.optim import _validation as v
+from pallasopt.optim._base import FusedGradientTransformation, advance_schedule
+from pallasopt.optim.adamw import adamw
+
+__all__ = [
+    "muon",
+    "MuonDimensionNumbers",
+    "MuonState",
+    "MuonSecondMomentState",
+    "OPTAX_PRESETS",
+    "SCALE_MODES",
+    "SECOND_MOMENTS",
+    "shape_scale",
+    "MUON_STATIC_ARGS",
+]
+
+_OWNER = "pallasopt.optim.muon"
+_DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+# Optax's own preset names (used with Optax's step semantics).
+OPTAX_PRESETS: dict[str, Any] = {
+    "standard": _DEFAULT_NS_COEFFS,
+    "dion": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+}
+SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
+SECOND_MOMENTS = ("adamuon", "normuon", "namo")
+_MOMENTUM_STYLES = ("optax", "lerp")
+# Structural arguments to keep static under optax.inject_hyperparams.
+MUON_STATIC_ARGS = ("ns_steps", "stacked_axes")
+_PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
+
+
+class MuonSecondMomentState(NamedTuple):
+  """Second moments of the ``second_moment`` option, per Muon leaf.
+
+  Leaves are laid out as the ``(batch, fan_in, fan_out)`` view of the matrix
+  (``batch`` = product of the batch axes): ``adamuon`` keeps the full view,
+  ``normuon`` keeps ``(batch, fan_in, 1)`` or ``(batch, 1, fan_out)`` (see
+  `muon`), ``namo`` keeps ``(batch,)``. Always float32.
+  """
+
+  nu: optax.Updates
+
+
+def shape_scale(fan_in: int, fan_out: int, mode: str) -> float:
+  r"""The update scale of Emerging-Optimizers' ``scale_mode`` for a matrix.
+
+  * ``"shape_scaling"``: :math:`\sqrt{\max(1, \text{out}/\text{in})}`
+    (Jordan's Muon; Optax's default);
+  * ``"spectral"``: :math:`\sqrt{\max(\text{out}, \text{in})}` (Liu et al.,
+    Muon is Scalable, arXiv:2502.16982; Optax's ``consistent_rms`` times this);
+  * ``"unit_rms_norm"``: :math:`\sqrt{\text{out}/\text{in}}` (Pethick et al.,
+    arXiv:2502.07529).
+  """
+  if mode == "shape_scaling":
+    return math.sqrt(max(1.0, fan_out / fan_in))
+  if mode == "spectral":
+    return math.sqrt(max(fan_out, fan_in))
+  if mode == "unit_rms_norm":
+    return math.sqrt(fan_out / fan_in)
+  raise ValueError(f"{_OWNER}: scale_mode must be one of {SCALE_MODES}; got {mode!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """Routing of one leaf: ``dims`` for Muon, None for AdamW."""
+
+  dims: MuonDimensionNumbers | None
+  split: tuple[int, ...] | None = None
+
+  @property
+  def label(self) -> str:
+    return "adam" if self.dims is None else "muon"
+
+
+def _is_spec_leaf(x) -> bool:
+  return x is None or isinstance(x, (MuonDimensionNumbers, optax.MaskedNode))
+
+
+def _broadcast_prefix(name: str, prefix: Any, tree: Any, is_leaf) -> list:
+  """One value of ``prefix`` (a prefix tree of ``tree``) per leaf of ``tree``."""
+  try:
+    full = jax.tree.map(
+        lambda value, sub: jax.tree.map(lambda _: _Box(value), sub), prefix, tree, is_leaf=is_leaf
+    )
+  except ValueError as e:
+    raise ValueError(
+        f"{_OWNER}: {name} must have the structure of the params or a prefix of it; {e}"
+    ) from None
+  return [box.value for box in jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, _Box))]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Box:
+  value: Any
+
+
+def _normalize_axes(axes, ndim: int, path: str) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  for axis in axes:
+    if not -ndim <= axis < ndim:
+      raise ValueError(
+          f"{_OWNER}: muon_weight_dimension_numbers{path} names axis {axis} of a leaf of "
+          f"rank {ndim}."
+      )
+  return tuple(axis % ndim for axis in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """A Muon leaf viewed as ``(batch, fan_in, fan_out)`` and back."""
+
+  shape: tuple[int, ...]
+  perm: tuple[int, ...]
+  flat: tuple[int, int, int]
+
+  @classmethod
+  def of(cls, shape, dims: MuonDimensionNumbers, path: str) -> "_Layout":
+    ndim = len(shape)
+    if ndim < 2:
+      raise ValueError(f"{_OWNER}: Muon leaf{path} must have rank >= 2; got shape {shape}.")
+    red = _normalize_axes(dims.reduction_axis, ndim, path)
+    out = _normalize_axes(dims.output_axis, ndim, path)
+    if set(red) & set(out):
+      raise ValueError(
+          f"{_OWNER}: muon_weight_dimension_numbers{path} has overlapping reduction and "
+          f"output axes {red} and {out}."
+      )
+    batch = tuple(a for a in range(ndim) if a not in red + out)
+    size = lambda axes: math.prod(shape[a] for a in axes)
+    return cls(tuple(shape), batch + red + out, (size(batch), size(red), size(out)))
+
+  def to_flat(self, x):
+    return jnp.transpose(x, self.perm).reshape(self.flat)
+
+  def from_flat(self, x):
+    permuted = tuple(self.shape[a] for a in self.perm)
+    return jnp.transpose(x.reshape(permuted), np.argsort(self.perm))
+
+
+def _split_parts(flat_shape, split, blockwise, path):
+  """Index slices of the sub-matrices orthogonalized separately.
+
+  Returns a function ``(b, r, o) array -> list of stacks`` and its inverse.
+  ``split`` splits the output axis, viewed as ``(groups, sum(split))``, into
+  one part per entry (a fused QKV matrix, as Megatron lays it out);
+  ``blockwise=(rb, cb)`` cuts every part into an ``rb x cb`` grid of blocks.
+  """
+  batch, fan_in, fan_out = flat_shape
+  sizes = (fan_out,) if split is None else tuple(split)
+  total = sum(sizes)
+  if fan_out % total:
+    raise ValueError(
+        f"{_OWNER}: qkv_split_shapes{path}={split} must divide the output size {fan_out}."
+    )
+  groups = fan_out // total
+  rb, cb = (1, 1) if blockwise is None else blockwise
+  for size in sizes:
+    if fan_in % rb or (groups * size) % cb:
+      raise ValueError(
+          f"{_OWNER}: blockwise={blockwise} must divide every part of leaf{path} "
+          f"(fan_in={fan_in}, part fan_out={groups * size})."
+      )
+  bounds = np.cumsum((0,) + sizes)
+
+  def to_blocks(m):  # (b, r, o) -> (b * rb * cb, r / rb, o / cb)
+    _, r, o = m.shape
+    m = m.reshape(batch, rb, r // rb, cb, o // cb).transpose(0, 1, 3, 2, 4)
+    return m.reshape(batch * rb * cb, r // rb, o // cb)
+
+  def from_blocks(m, r, o):
+    m = m.reshape(batch, rb, cb, r // rb, o // cb).transpose(0, 1, 3, 2, 4)
+    return m.reshape(batch, r, o)
+
+  def split_fn(x):
+    grouped = x.reshape(batch, fan_in, groups, total)
+    return [
+        to_blocks(grouped[..., lo:hi].reshape(batch, fan_in, groups * (hi - lo)))
+        for lo, hi in zip(bounds[:-1], bounds[1:])
+    ]
+
+  def merge_fn(parts):
+    pieces = [
+        from_blocks(p, fan_in, groups * s).reshape(batch, fan_in, groups, s)
+        for p, s in zip(parts, sizes)
+    ]
+    return jnp.concatenate(pieces, axis=-1).reshape(batch, fan_in, fan_out)
+
+  part_shapes = [(fan_in // rb, groups * s // cb) for s in sizes]
+  return split_fn, merge_fn, part_shapes
+
+
+def _orthogonalize_all(stacks, table, *, preconditioning, eps, iter_dtype, impl):
+  """Newton–Schulz of many stacks, one launch per distinct matrix shape."""
+  groups: dict[tuple, list[int]] = {}
+  for i, s in enumerate(stacks):
+    groups.setdefault((s.shape[1:], s.dtype), []).append(i)
+  out = [None] * len(stacks)
+  for members in groups.values():
+    joined = jnp.concatenate([stacks[i] for i in members]) if len(members) > 1 else stacks[members[0]]
+    result = ns.newton_schulz(
+        joined, table, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype, impl=impl
+    )
+    offsets = np.cumsum([0] + [stacks[i].shape[0] for i in members])
+    for i, lo, hi in zip(members, offsets[:-1], offsets[1:]):
+      out[i] = result[lo:hi]
+  return out
+
+
+def _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs):
+  """The coefficients stored in ``MuonState.ns_coeffs`` (numpy), as Optax would."""
+  if isinstance(ns_coeffs, str):
+    if ns_coeffs in OPTAX_PRESETS:
+      coeffs = np.asarray(OPTAX_PRESETS[ns_coeffs], np.float32)
+    elif ns_coeffs in ns.PRESETS:
+      return ns.preset_table(ns_coeffs, ns_steps)
+    elif ns_coeffs == "custom":
+      if custom_ns_coeffs is None:
+        raise ValueError(f"{_OWNER}: ns_coeffs='custom' needs custom_ns_coeffs.")
+      return np.asarray(ns.coefficient_table(custom_ns_coeffs, ns_steps, ns_rule or "cycle"))
+    else:
+      names = sorted(OPTAX_PRESETS) + sorted(ns.PRESETS) + ["custom"]
+      raise ValueError(f"{_OWNER}: unknown ns_coeffs preset {ns_coeffs!r}; expected one of {names}.")
+  else:
+    coeffs = np.asarray(ns_coeffs, np.float32)
+  if coeffs.ndim not in (1, 2) or coeffs.shape[-1] != 3:
+    raise ValueError(f"{_OWNER}: ns_coeffs must have shape (3,) or (n, 3); got {coeffs.shape}.")
+  if ns_rule is not None:
+    return np.asarray(ns.coefficient_table(coeffs, ns_steps, ns_rule))
+  if coeffs.ndim == 2 and coeffs.shape[0] > ns_steps:
+    raise ValueError(
+        f"{_OWNER}: ns_coeffs has {coeffs.shape[0]} rows but ns_steps={ns_steps}; "
+        "Optax requires rows <= ns_steps."
+    )
+  return coeffs
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    ns_coeffs: Any = _DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: jax.typing.ArrayLike = 0.95,
+    eps: float = 1e-8,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+    mu_dtype: Any | None = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    adam_b1: jax.typing.ArrayLike = 0.9,
+    adam_b2: jax.typing.ArrayLike = 0.999,
+    adam_eps_root: jax.typing.ArrayLike = 0.0,
+    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    muon_weight_dimension_numbers: Any = None,
+    consistent_rms: float | None = None,
+    impl: str = "auto",
+    stacked_axes: int = 0,
+    ns_rule: str | None = None,
+    custom_ns_coeffs: Any = None,
+    iter_dtype: Any = None,
+    scale_mode: str | None = None,
+    extra_scale_factor: float = 1.0,
+    momentum: str = "optax",
+    second_moment: str | None = None,
+    beta2: float = 0.95,
+    second_moment_eps: float = 1e-8,
+    qkv_split_shapes: Any = None,
+    adamw_predicate: Callable[[str, jax.Array], bool] | None = None,
+    blockwise: tuple[int, int] | None = None,
+) -> FusedGradientTransformation:
+  r"""Muon: momentum orthogonalized by Newton–Schulz; a drop-in for Optax's.
+
+  The positional and Optax keyword arguments, their defaults and meaning are
+  those of `optax.contrib.muon` (optax 0.2.8); the result, the state tree and
+  the routing of leaves are the same. Per Muon leaf (a matrix, or a stack of
+  matrices along its batch axes), with :math:`t` the step count:
+
+  .. math::
+
+    \mu_t = \beta \mu_{t-1} + (1 - \beta) g, \quad
+    \hat\mu = \frac{\beta \mu_t}{1-\beta^{t+1}} + \frac{(1-\beta) g}{1-\beta^t}
+    \;\;(\text{nesterov; else } \mu_t / (1-\beta^t)), \\
+    O = \mathrm{NS}(\hat\mu), \quad
+    u = -\eta_t \left(s\, O + \lambda p\right),
+
+  with :math:`s = \sqrt{\max(1, \text{fan\_out}/\text{fan\_in})}` or, with
+  ``consistent_rms=r``, :math:`r\sqrt{\max(\text{fan\_in}, \text{fan\_out})}`;
+  ``adaptive`` multiplies :math:`O` by :math:`\langle \hat\mu, O\rangle`
+  (summed over the leaf) first. Leaves not routed to Muon get
+  ``adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, eps,
+  adam_eps_root, adam_weight_decay, mu_dtype, nesterov=nesterov)``.
+
+  Routing: without ``muon_weight_dimension_numbers``, a leaf is a Muon leaf
+  iff its rank is ``2 + stacked_axes`` (its leading ``stacked_axes`` axes are
+  a batch of matrices, each orthogonalized on its own; ``stacked_axes=0`` is
+  Optax's rank-2 rule) and ``adamw_predicate(path, leaf)`` is not true. With
+  dimension numbers (a `MuonDimensionNumbers`, a tree or prefix tree of them
+  with None for AdamW leaves, or a callable returning one), they decide, as in
+  Optax, and ``stacked_axes`` is not used (their batch axes are implicit).
+
+  Extensions (keyword-only; defaults reproduce Optax):
+
+  * ``ns_coeffs`` also takes the presets of `newton_schulz.PRESETS`:
+    ``"simple"``, ``"quintic"``, ``"polar_express"``, ``"cans"``, ``"aol"``,
+    ``"deepseekv4"`` (Emerging-Optimizers' tables), expanded to ``ns_steps``
+    rows by the preset's rule (``repeat_last`` for polar_express, cans and
+    deepseekv4, else ``cycle``; deepseekv4 is published with
+    ``ns_steps=10``), and ``"custom"`` with ``custom_ns_coeffs`` (cycled).
+    ``ns_rule`` (``"cycle"``/``"repeat_last"``) expands a given table to
+    ``ns_steps`` rows instead of Optax's "one step per row". Emerging's
+    ``"cubic5"`` preset is not provided: no authoritative copy of its table
+    was available to us. Optax's ``"standard"`` and ``"dion"`` keep Optax's
+    semantics.
+  * ``iter_dtype``: float32 or bfloat16 Newton–Schulz iterates (f32
+    accumulation); default: the momentum's dtype.
+  * ``scale_mode`` (`SCALE_MODES`, see `shape_scale`) with
+    ``extra_scale_factor``: :math:`s = \text{scale}(\text{in}, \text{out})
+    \cdot \text{extra}`, replacing Optax's scale (exclusive with
+    ``consistent_rms``).
+  * ``momentum="lerp"``: Emerging-Optimizers' uncorrected momentum,
+    :math:`\hat\mu = (1-\beta) g + \beta\mu_t` with Nesterov, else
+    :math:`\mu_t` (no bias correction).
+  * ``second_moment`` (after Newton–Schulz, before the scale; decay
+    ``beta2``, ``second_moment_eps`` = :math:`\epsilon`), per matrix:
+    ``"adamuon"`` (Si et al., arXiv:2507.11005): :math:`v \leftarrow
+    \beta_2 v + (1-\beta_2) O^2`, :math:`O \leftarrow O/(\sqrt v + \epsilon)`;
+    ``"normuon"`` (Li et al., arXiv:2510.05491): :math:`v \leftarrow \beta_2
+    v + (1-\beta_2)\,\mathrm{mean}(O^2)` over the fan-in axis when
+    fan_out >= fan_in (one entry per output neuron), else over the fan-out
+    axis, :math:`O \leftarrow O / \sqrt{\max(v, \epsilon)}`;
+    ``"namo"`` (arXiv:2602.17080): :math:`v \leftarrow \beta_2 v +
+    (1-\beta_2)\|g\|_F^2`, :math:`O \leftarrow O\,\|\hat\mu\|_F /
+    (\sqrt v + \epsilon)`. The state gains `MuonSecondMomentState`.
+  * ``qkv_split_shapes``: a tuple (e.g. ``(q, k, v)`` rows per head group), a
+    tree or prefix tree of tuples/None, or a callable returning one: the
+    output axis of that Muon leaf, viewed as ``(groups, sum(split))``, is
+    split into parts orthogonalized (and scaled) separately, as Megatron does
+    for fused QKV weights.
+  * ``adamw_predicate(path, leaf) -> bool``: route more leaves (embeddings,
+    output heads) to AdamW; ``path`` is `jax.tree_util.keystr` of the leaf.
+  * ``blockwise=(r, c)``: see the module docstring (sharded matrices).
+
+  Args:
+    learning_rate: scalar or schedule.
+    ns_coeffs: ``(a, b, c)``, an ``(n, 3)`` table, or a preset name.
+    ns_steps: Newton–Schulz steps (ignored for an ``(n, 3)`` table unless
+      ``ns_rule`` is given).
+    beta: momentum decay, in [0, 1).
+    eps: Newton–Schulz normalization epsilon and AdamW's ``eps``.
+    weight_decay: decoupled weight decay of the Muon leaves (times lr).
+    weight_decay_mask: Optax mask (tree, prefix or callable) of decaying leaves.
+    mu_dtype: momentum dtype (both parts).
+    nesterov: Nesterov momentum (both parts).
+    adaptive: Optax's dual-norm scaling.
+    preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"``, ``"schatten"``.
+    adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate:
+      the AdamW part.
+    muon_weight_dimension_numbers: see "Routing".
+    consistent_rms: see the update formula.
+    impl: ``"auto" | "pallas" | "interpret" | "xla"`` for both kernels.
+    stacked_axes: leading batch axes of every leaf (see "Routing").
+    ns_rule, custom_ns_coeffs, iter_dtype, scale_mode, extra_scale_factor,
+    momentum, second_moment, beta2, second_moment_eps, qkv_split_shapes,
+    adamw_predicate, blockwise: see "Extensions".
+
+  Returns:
+    A `FusedGradientTransformation`; ``apply_gradients`` applies the AdamW
+    leaves with the fused kernel and the Muon leaves after Newton–Schulz.
+  """
+  for name, value, high, inclusive in (
+      ("learning_rate", learning_rate, math.inf, True),
+      ("beta", beta, 1.0, False),
+      ("eps", eps, math.inf, True),
+      ("weight_decay", weight_decay, math.inf, True),
+      ("adam_b1", adam_b1, 1.0, False),
+      ("adam_b2", adam_b2, 1.0, False),
+      ("adam_eps_root", adam_eps_root, math.inf, True),
+      ("adam_weight_decay", adam_weight_decay, math.inf, True),
+      ("beta2", beta2, 1.0, False),
+      ("second_moment_eps", second_moment_eps, math.inf, True),
+  ):
+    v.check_hyperparameter(_OWNER, name, value, high=high, high_inclusive=inclusive)
+  ns_steps = v.static_int(_OWNER, "ns_steps", ns_steps, low=1, static_args="MUON_STATIC_ARGS")
+  stacked_axes = v.static_int(
+      _OWNER, "stacked_axes", stacked_axes, low=0, static_args="MUON_STATIC_ARGS"
+  )
+  resolve_impl(impl)
+  for name, value, allowed in (
+      ("preconditioning", preconditioning, _PRECONDITIONINGS),
+      ("momentum", momentum, _MOMENTUM_STYLES),
+      ("scale_mode", scale_mode, SCALE_MODES + (None,)),
+      ("second_moment", second_moment, SECOND_MOMENTS + (None,)),
+      ("ns_rule", ns_rule, ("cycle", "repeat_last", None)),
+  ):
+    if value not in allowed:
+      raise ValueError(f"{_OWNER}: {name} must be one of {allowed}; got {value!r}.")
+  if scale_mode is not None and consistent_rms is not None:
+    raise ValueError(f"{_OWNER}: pass scale_mode or consistent_rms, not both.")
+  if blockwise is not None and (
+      len(blockwise) != 2 or any(not isinstance(b, int) or b < 1 for b in blockwise)
+  ):
+    raise ValueError(f"{_OWNER}: blockwise must be a pair of positive ints; got {blockwise!r}.")
+  if iter_dtype is not None and jnp.dtype(iter_dtype) not in v.SUPPORTED_DTYPES:
+    raise TypeError(f"{_OWNER}: iter_dtype must be float32 or bfloat16; got {iter_dtype}.")
+  init_coeffs = _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs)
+  table_steps = ns_steps if init_coeffs.ndim == 1 else None
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  if adam_learning_rate is None:
+    adam_learning_rate = learning_rate
+
+  def specs_of(tree) -> list[_Spec]:
+    leaves = v.keyed_leaves(tree)
+    if muon_weight_dimension_numbers is None:
+      dims = MuonDimensionNumbers(stacked_axes, stacked_axes + 1)
+      chosen = [dims if jnp.ndim(x) == 2 + stacked_axes else None for _, x in leaves]
+    else:
+      spec = muon_weight_dimension_numbers
+      spec = spec(tree) if callable(spec) else spec
+      chosen = _broadcast_prefix("muon_weight_dimension_numbers", spec, tree, _is_spec_leaf)
+      chosen = [None if isinstance(d, optax.MaskedNode) else d for d in chosen]
+    if adamw_predicate is not None:
+      chosen = [None if adamw_predicate(p, x) else d for (p, x), d in zip(leaves, chosen)]
+    if qkv_split_shapes is None:
+      splits = [None] * len(leaves)
+    else:
+      split = qkv_split_shapes(tree) if callable(qkv_split_shapes) else qkv_split_shapes
+      is_split = lambda x: x is None or (isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+      splits = _broadcast_prefix("qkv_split_shapes", split, tree, is_split)
+    return [_Spec(d, s if d is not None else None) for d, s in zip(chosen, splits)]
+
+  def param_labels(tree):
+    return jax.tree.unflatten(jax.tree.structure(tree), [s.label for s in specs_of(tree)])
+
+  decay_tx = optax.add_decayed_weights(weight_decay, weight_decay_mask)
+  lr_tx = optax.scale_by_learning_rate(learning_rate)
+
+  def layouts_of(tree):
+    return [
+        (_Layout.of(jnp.shape(x), s.dims, p), s)
+        for (p, x), s in zip(v.keyed_leaves(tree), specs_of(tree))
+    ]
+
+  def second_moment_init(layout: _Layout):
+    b, r, o = layout.flat
+    if second_moment == "adamuon":
+      shape = (b, r, o)
+    elif second_moment == "normuon":
+      shape = (b, 1, o) if o >= r else (b, r, 1)
+    else:
+      shape = (b,)
+    return jnp.zeros(shape, jnp.float32)
+
+  def chain_init(params):
+    mu = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), mu_dtype or jnp.result_type(p)), params)
+    state = (
+        MuonState(count=jnp.zeros([], jnp.int32), mu=mu, ns_coeffs=jnp.asarray(init_coeffs)),
+        optax.EmptyState(),
+        decay_tx.init(params),
+        lr_tx.init(params),
+    )
+    if second_moment is not None:
+      nu = [second_moment_init(layout) for layout, _ in layouts_of(params)]
+      state += (MuonSecondMomentState(jax.tree.unflatten(jax.tree.structure(params), nu)),)
+    return state
+
+  def momentum_step(g, m, count):
+    g32, m32 = g.astype(jnp.float32), m.astype(jnp.float32)
+    m_new = (1 - beta) * g32 + beta * m32
+    if momentum == "lerp":
+      hat = (1 - beta) * g32 + beta * m_new if nesterov else m_new
+    elif nesterov:
+      hat = beta * (m_new / (1 - beta ** (count + 1))) + (1 - beta) * (g32 / (1 - beta**count))
+    else:
+      hat = m_new / (1 - beta**count)
+    return hat, m_new.astype(m.dtype)
+
+  def scale_vector(layout: _Layout, spec: _Spec, parts):
+    """Per-output-column scale (one value per part), broadcast on (b, r, o)."""
+    _, fan_in, fan_out = layout.flat
+    if spec.split is None:
+      return scale_of(*parts[0])
+    groups = fan_out // sum(spec.split)
+    cols = [jnp.full((groups, s), scale_of(*shape)) for s, shape in zip(spec.split, parts)]
+    return jnp.concatenate(cols, axis=1).reshape(fan_out)
+
+  def scale_of(fan_in, fan_out):
+    if scale_mode is not None:
+      return shape_scale(fan_in, fan_out, scale_mode) * extra_scale_factor
+    if consistent_rms is not None:
+      return math.sqrt(max(fan_in, fan_out)) * consistent_rms
+    return shape_scale(fan_in, fan_out, "shape_scaling")
+
+  def normalize(o, nu, g, hat):
+    """The ``second_moment`` normalization of ``o`` (all (b, r, o) f32)."""
+    if second_moment == "adamuon":
+      nu = beta2 * nu + (1 - beta2) * o * o
+      return o / (jnp.sqrt(nu) + second_moment_eps), nu
+    if second_moment == "normuon":
+      axis = 1 if o.shape[2] >= o.shape[1] else 2
+      nu = beta2 * nu + (1 - beta2) * jnp.mean(o * o, axis=axis, keepdims=True)
+      return o * jax.lax.rsqrt(jnp.maximum(nu, second_moment_eps)), nu
+    nu = beta2 * nu + (1 - beta2) * jnp.sum(g * g, axis=(1, 2))
+    alpha = jnp.sqrt(jnp.sum(hat * hat, axis=(1, 2))) / (jnp.sqrt(nu) + second_moment_eps)
+    return o * alpha[:, None, None], nu
+
+  def chain_update(updates, state, params=None, learning_rate_now=None):
+    muon_state, shape_state, decay_state, lr_state = state[:4]
+    v.check_same_tree(_OWNER, "grads", updates, "opt_state mu", muon_state.mu)
+    v.check_float_leaves(_OWNER, "grads", updates)
+    treedef = jax.tree.structure(updates)
+    grads = jax.tree.leaves(updates)
+    count = optax.safe_increment(muon_state.count)
+    stepped = [momentum_step(g, m, count) for g, m in zip(grads, jax.tree.leaves(muon_state.mu))]
+    hats, mus = [h for h, _ in stepped], [m for _, m in stepped]
+    layouts = layouts_of(updates)
+    splitters, stacks, owners = [], [], []
+    for (path, _), hat, (layout, spec) in zip(v.keyed_leaves(updates), hats, layouts):
+      splitter = _split_parts(layout.flat, spec.split, blockwise, path)
+      parts = splitter[0](layout.to_flat(hat))
+      splitters.append(splitter)
+      owners.append(len(parts))
+      stacks.extend(parts)
+    table = ns.coefficient_table(muon_state.ns_coeffs, table_steps)
+    results = _orthogonalize_all(
+        stacks, table, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype, impl=impl
+    )
+    nus = jax.tree.leaves(state[4].nu) if second_moment is not None else [None] * len(grads)
+    new_nus, outs, start = [], [], 0
+    for hat, g, nu, (layout, spec), (_, merge, part_shapes), n in zip(
+        hats, grads, nus, layouts, splitters, owners
+    ):
+      o = merge(results[start:start + n]).astype(jnp.float32)
+      start += n
+      if second_moment is not None:
+        o, nu = normalize(o, nu, layout.to_flat(g.astype(jnp.float32)), layout.to_flat(hat))
+        new_nus.append(nu)
+      if adaptive:
+        o = jnp.sum(layout.to_flat(hat) * o) * o
+      o = o * scale_vector(layout, spec, part_shapes)
+      outs.append(layout.from_flat(o).astype(g.dtype))
+    out_tree = treedef.unflatten(outs)
+    out_tree, decay_state = decay_tx.update(out_tree, decay_state, params)
+    if learning_rate_now is None:
+      out_tree, lr_state = lr_tx.update(out_tree, lr_state)
+    else:
+      out_tree = jax.tree.map(lambda u: -learning_rate_now * u, out_tree)
+      lr_state = advance_schedule(lr_state)
+    new_state = (
+        MuonState(count=count, mu=treedef.unflatten(mus), ns_coeffs=muon_state.ns_coeffs),
+        shape_state,
+        decay_state,
+        lr_state,
+    )
+    if second_moment is not None:
+      new_state += (MuonSecondMomentState(treedef.unflatten(new_nus)),)
+    return out_tree, new_state
+
+  muon_tx = optax.GradientTransformationExtraArgs(
+      chain_init, lambda u, s, p=None, **extra: chain_update(u, s, p)
+  )
+  adam_tx = adamw(
+      adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps, eps_root=adam_eps_root,
+      mu_dtype=mu_dtype, weight_decay=adam_weight_decay, nesterov=nesterov, impl=impl,
+  )
+  partition = optax.partition({"muon": muon_tx, "adam": adam_tx}, param_labels)
+
+  def init_fn(params):
+    v.check_float_leaves(_OWNER, "params", params)
+    return partition.init(params)
+
+  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
+    v.check_same_tree(_OWNER, "grads", grads, "params", params)
+    labels = jax.tree.leaves(param_labels(grads))
+    treedef = jax.tree.structure(params)
+
+    def mask(tree, group):
+      leaves = jax.tree.leaves(tree)
+      return treedef.unflatten(
+          [x if l == group else optax.MaskedNode() for x, l in zip(leaves, labels)]
+      )
+
+    inner = state.inner_states
+    adam_params, adam_state = adam_tx.apply_gradients(
+        mask(params, "adam"), mask(grads, "adam"), inner["adam"].inner_state,
+        grad_scale=grad_scale, learning_rate=learning_rate,
+    )
+    muon_grads = mask(grads, "muon")
+    if grad_scale is not None:
+      muon_grads = jax.tree.map(lambda g: (g * grad_scale).astype(g.dtype), muon_grads)
+    muon_params = mask(params, "muon")
+    updates, muon_state = chain_update(
+        muon_grads, inner["muon"].inner_state, muon_params, learning_rate
+    )
+    muon_params = optax.apply_updates(muon_params, updates)
+    picked = {"adam": iter(jax.tree.leaves(adam_params)), "muon": iter(jax.tree.leaves(muon_params))}
+    new_params = treedef.unflatten([next(picked[l]) for l in labels])
+    new_state = type(state)(
+        {"muon": optax.MaskedState(muon_state), "adam": optax.MaskedState(adam_state)}
+    )
+    return new_params, new_state
+
+  return FusedGradientTransformation(init_fn, partition.update, apply_fn)
