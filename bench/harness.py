@@ -119,6 +119,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pallasopt.kernels._dispatch import resolve_impl
+
 __all__ = [
     "TIERS",
     "Impl",
@@ -938,16 +940,27 @@ def _legend(records: Sequence[dict]) -> str:
   )
 
 
-def _attach_ratios(records: list[dict]) -> None:
-  """Sets ``vs_baseline`` = baseline median / median within each case."""
-  base = {
-      r["case"]: r["median_ms"] for r in records
+def _ratio(record: dict, base: dict | None) -> float | None:
+  """Baseline time / this time, by the same timing method (else wall clock)."""
+  if base is None or record.get("error") or record.get("kernel") == "interpret":
+    return None
+  field = "median_ms" if record.get("timing") == base.get("timing") else "wall_median_ms"
+  ours, theirs = record.get(field), base.get(field)
+  return theirs / ours if ours and theirs else None
+
+
+def _baselines(records: Iterable[dict]) -> dict[str, dict]:
+  return {
+      r["case"]: r for r in records
       if not r.get("error") and r["impl"] == r.get("baseline") and r.get("kernel") != "interpret"
   }
+
+
+def _attach_ratios(records: list[dict]) -> None:
+  """Sets ``vs_baseline`` (see `_ratio`) on every record, within its case."""
+  base = _baselines(records)
   for r in records:
-    b = base.get(r["case"])
-    ok = not r.get("error") and r.get("kernel") != "interpret" and b is not None
-    r["vs_baseline"] = b / r["median_ms"] if ok and r["median_ms"] else None
+    r["vs_baseline"] = _ratio(r, base.get(r["case"]))
 
 
 def run(
@@ -979,7 +992,7 @@ def run(
   for case in cases:
     for impl in case.impls:
       for k in kernel_impls if impl.pallas else ("xla",):
-        kernel = kernel_label(k, env.platform)
+        kernel = kernel_label(resolve_impl(k), env.platform)
         key = config_key(case, impl, kernel)
         if pattern is None or pattern.search(key):
           configs.append((case, impl, k, kernel, key))
@@ -1004,9 +1017,7 @@ def run(
       ceilings["matmul"] = _ceiling(_ceiling_matmul, env, settings)
       _progress(f"bf16 matmul ceiling: {ceilings['matmul']['tflops']:.1f} TFLOP/s")
 
-  base_median: dict[str, float] = {
-      r["case"]: r["median_ms"] for r in done.values() if r["impl"] == r.get("baseline")
-  }
+  base = _baselines(done.values())
   for i, (case, impl, k, kernel, key) in enumerate(todo, 1):
     record = {
         "schema": SCHEMA, "key": key, "case": case.key, "family": case.family,
@@ -1040,10 +1051,9 @@ def run(
           ),
           note="Pallas interpreter: not a kernel speed" if interpreted else None,
       )
-      if impl.name == case.baseline:
-        base_median[case.key] = record["median_ms"]
-      b = base_median.get(case.key)
-      record["vs_baseline"] = None if interpreted or b is None else b / record["median_ms"]
+      if impl.name == case.baseline and not interpreted:
+        base[case.key] = record
+      record["vs_baseline"] = _ratio(record, base.get(case.key))
       _progress(
           f"[{i}/{len(todo)}] {key}: {record['median_ms']:.4g} ms ({record['timing']}, "
           f"x{record['rotations']} sets), compile {record['compile_s']:.2f} s"
@@ -1066,8 +1076,8 @@ def run(
 # Command line.
 
 
-def parser(description: str, default_tier: str) -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=description)
+def parser(description: str, default_tier: str, prog: str | None = None) -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog=prog, description=description)
   p.add_argument("--tier", choices=TIERS, default=default_tier,
                  help=f"which sizes to run (default {default_tier})")
   p.add_argument("--quick", dest="tier", action="store_const", const="quick",
@@ -1097,6 +1107,7 @@ def main(
     script: str,
     description: str,
     default_tier: str,
+    prog: str | None = None,
 ) -> list[dict]:
   """The command line every bench script shares.
 
@@ -1106,12 +1117,19 @@ def main(
     script: short name, used in the default output file name.
     description: ``--help`` text.
     default_tier: tier without ``--tier``/``--quick``.
+    prog: program name shown by ``--help``.
   """
-  args = parser(description, default_tier).parse_args(argv)
+  p = parser(description, default_tier, prog)
+  args = p.parse_args(argv)
   env_platform = jax.devices()[0].platform
   kernel_impls = ("interpret",) if args.interpret else tuple(
       k.strip() for k in args.kernel_impls.split(",") if k.strip()
   )
+  for k in kernel_impls:
+    try:
+      kernel_label(resolve_impl(k), env_platform)
+    except ValueError as e:
+      p.error(f"--kernel-impls: {e}")
   if env_platform == "cpu" and kernel_impls == ("auto",):
     # "auto" lowers to the XLA reference on a CPU; asking for it directly
     # compiles the same program without tracing the TPU and Triton branches.

@@ -35,6 +35,7 @@ def cases(tier: str, families: Sequence[str] = FAMILIES) -> list[harness.Case]:
 def main(argv: Sequence[str] | None = None, default_tier: str = "full") -> list[dict]:
   return harness.main(
       argv, cases, script="kernels", default_tier=default_tier,
+      prog="python -m bench" if default_tier == "quick" else "python -m bench.kernels",
       description="pallasopt optimizer steps against jitted Optax: time, GB/s or TFLOP/s, "
       "% of the datasheet peak and of a measured copy ceiling, peak memory.",
   )

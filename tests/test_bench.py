@@ -5,6 +5,7 @@ the plumbing: JSONL records, resume, the table, the plot, the bytes models.
 They measure nothing worth reading.
 """
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -231,3 +232,53 @@ def test_profile_writes_a_perfetto_trace_per_configuration(tmp_path, capsys):
   )[0]
   assert pathlib.Path(r["profile"]).parent == trace_dir
   assert list(pathlib.Path(r["profile"]).rglob("perfetto_trace.json.gz"))
+
+
+class _FakeCuptiExt:
+  """Stands in for the mosaic_gpu extension: two kernels per call while active."""
+
+  def __init__(self):
+    self.active, self.timings = False, []
+
+  def _cupti_init(self):
+    self.active, self.timings = True, []
+
+  def _cupti_get_timings(self, finalize):
+    assert finalize
+    self.active = False
+    return self.timings
+
+  def launch(self):
+    if self.active:
+      self.timings += [("scale", 0.5), ("add", 0.25)]
+
+
+def test_cupti_samples_are_per_call_kernel_sums():
+  ext = _FakeCuptiExt()
+  cupti = object.__new__(harness._Cupti)
+  cupti._ext = ext
+  calls = []
+
+  def compiled(carry, consts):
+    calls.append(carry)
+    ext.launch()
+    return carry + consts
+
+  carries, consts = [jnp.float32(0), jnp.float32(10)], [jnp.float32(1), jnp.float32(1)]
+  s = harness.Settings(warmup=1, iters=5, max_time_s=10)
+  stats, carries = cupti.time(compiled, carries, consts, s)
+  assert stats["samples"] == 5 and stats["kernels_per_step"] == 2
+  assert stats["median_ms"] == stats["min_ms"] == stats["max_ms"] == 0.75
+  # Warm-up steps every set once; then 5 steps rotate over the 2 sets.
+  assert len(calls) == 2 + 5 and [float(c) for c in carries] == [4.0, 13.0]
+
+
+def test_gpu_timing_falls_back_to_wall_clock_and_says_why():
+  env = dataclasses.replace(harness.environment(), platform="gpu")
+  spec = jax.ShapeDtypeStruct((64,), jnp.float32)
+  out = harness._measure(
+      "t", lambda c, k: c * 0.5 + k, lambda key: (harness.random_tree(key, spec), harness.random_tree(key, spec, stream=1)),
+      leaves=1, s=harness.Settings.for_tier("ci", "cpu"), env=env,
+  )
+  assert out["timing"] in ("wall", "wall-loop") and out["finite"]
+  assert out["timing_note"].startswith("CUPTI unavailable, wall clock used")
