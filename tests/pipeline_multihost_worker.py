@@ -52,12 +52,19 @@ opt_state = step.init(params)
 batch = step.shard_batch(inputs, targets)
 
 ref_tx = make(1)
-ref_params, ref_state = jax.device_get(layers), ref_tx.init(layers)
+
+
+@jax.jit
+def ref_step(params, state):
+  loss, grads = jax.value_and_grad(lambda p: mse(sequential(layer, p, inputs), targets))(params)
+  updates, state = ref_tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state, loss
+
+
+ref_params, ref_state = layers, ref_tx.init(layers)
 for i in range(3):
   params, opt_state, metrics = step(params, opt_state, *batch)
-  loss, grads = jax.value_and_grad(lambda p: mse(sequential(layer, p, inputs), targets))(ref_params)
-  updates, ref_state = ref_tx.update(grads, ref_state, ref_params)
-  ref_params = optax.apply_updates(ref_params, updates)
+  ref_params, ref_state, loss = ref_step(ref_params, ref_state)
   np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
 got = stages_to_layers(multihost_utils.process_allgather(params, tiled=True), schedule)
 for key in ref_params:
