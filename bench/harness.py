@@ -39,6 +39,7 @@ For anything else build `Case` directly. The contract:
 * ``Case.inputs(key) -> (carry, consts)`` builds one input set on the device
   from a PRNG key: random, non-zero data (never zeros: they hide unwritten
   outputs and can run faster than real data). It is jitted by the harness.
+  `random_tree` (``stream=`` one per tree) is cheap to compile for big trees.
 * ``Impl.build(kernel_impl) -> step`` returns a pure, un-jitted
   ``step(carry, consts) -> carry`` for one optimizer step. ``kernel_impl`` is
   the ``impl=`` to pass to pallasopt (``"auto"``, ``"xla"``, ``"pallas"`` or
@@ -55,6 +56,13 @@ For anything else build `Case` directly. The contract:
   roofline. ``Impl.bytes`` (optional) records what that implementation's own
   model moves (e.g. 40 B/param for AdamW ``update`` + ``apply_updates``).
 * ``Case.baseline`` names the implementation the "vs optax" ratio divides by.
+* ``Case.key`` (``family/workload/label``) must be unique. For single leaves
+  (``workload="leaf"``) put the size in the label as its own ``/`` part
+  (``"f32/1048576"``): `bench.plot` draws one line per label without it.
+* Tiers: ``ci`` runs in the test suite (seconds); ``quick`` is
+  ``python -m bench``, whose whole run must stay under a minute on a 2-core
+  CPU, so keep it to about three small cases (~10 s of CPU) per family;
+  ``full`` is the accelerator sweep (resumable, so it may be long).
 
 How a configuration is measured
 ===============================
@@ -91,8 +99,10 @@ so a long sweep can be resumed: configurations already in the file are
 skipped. A Markdown table goes to stdout (and beside the JSONL as ``.md``);
 progress goes to stderr. On a CPU the Pallas kernels exist only as an
 interpreter, which is not a kernel speed: pallasopt's rows time its XLA
-reference path (``impl="auto"``), and ``--interpret`` (tests only) runs the
-interpreter with every speed-derived number suppressed.
+reference path (``impl="auto"`` resolves to it there; the harness asks for
+``"xla"`` directly, the same program without tracing the TPU and Triton
+branches), and ``--interpret`` (tests only) runs the interpreter with every
+speed-derived number suppressed.
 """
 
 from __future__ import annotations
@@ -934,8 +944,9 @@ def _legend(records: Sequence[dict]) -> str:
       "wall ms: median wall clock. speed: the case's floor (bytes or flops of the fused "
       "kernel's cost estimate) / median, so the rows of a case compare directly. % peak: of the "
       "datasheet; % copy: of the ceiling measured in this run "
-      f"({', '.join(sorted(ceilings)) or '-'}). vs optax: optax median / this median "
-      "(> 1 is faster). footprint: argument + output - aliased + temp bytes of the "
+      f"({', '.join(sorted(ceilings)) or '-'}). vs optax: the jitted Optax step's median / this "
+      "median, > 1 is faster (where Optax has no such optimizer, the case's named baseline). "
+      "footprint: argument + output - aliased + temp bytes of the "
       "compiled step (memory_analysis)."
   )
 
