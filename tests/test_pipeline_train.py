@@ -101,10 +101,10 @@ def per_stage_reference(tx, schedule, layers, inputs, targets, clip):
   return step, [tx.init(p) for p in slices(layers_to_stages(layers, schedule))]
 
 
-def run_and_compare(name, clip, schedule, *, data=1, impl="xla"):
+def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1):
   """STEPS pipelined steps against STEPS unpipelined Optax steps; returns the step."""
   config = CASES[name][0]
-  kwargs = dict(weight_decay=0.01, impl=impl)
+  kwargs = dict(weight_decay=0.01, impl=impl, gradient_accumulation_steps=accumulation)
   tx, _ = create_optimizer(name, config, SCHEDULER, stacked_axes=schedule.stacked_axes,
                            clip_grad=clip, **kwargs)
   mesh = stage_mesh(schedule.num_stages, data)
@@ -144,6 +144,12 @@ def run_and_compare(name, clip, schedule, *, data=1, impl="xla"):
 def test_three_steps_equal_the_unpipelined_model(name, clip):
   S, M, R, lps, streamed = CASES[name][1]
   run_and_compare(name, clip, CircularSchedule(S, M, R, lps, streamed_io=streamed))
+
+
+def test_gradient_accumulation():
+  # The clip then applies to the averaged gradient, whose norm the stage-local
+  # step takes with its own scalar psum over the stage axis.
+  run_and_compare("adamw", 0.05, CircularSchedule(2, 2, 2), accumulation=2)
 
 
 def test_interpret_mode_kernels_in_the_stage_shard_map():
