@@ -20,9 +20,11 @@ from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_sch
 RTOL = 2e-5
 
 
-def _params(seed=0):
+def _params(seed=0, scalar=False):
+  """One matrix (compiles fast); with ``scalar``, a 0-d leaf too."""
   rng = np.random.default_rng(seed)
-  return {"w": jnp.asarray(rng.standard_normal((5, 4)), jnp.float32), "s": jnp.asarray(1.5, jnp.float32)}
+  params = {"w": jnp.asarray(rng.standard_normal((5, 4)), jnp.float32)}
+  return {**params, "s": jnp.asarray(1.5, jnp.float32)} if scalar else params
 
 
 def _shapes(tree):
@@ -106,7 +108,7 @@ def test_init_scale_dtypes_and_no_momentum():
 
 
 def test_kron_state_is_the_chain_of_psgd_jax():
-  params = _params()
+  params = _params(scalar=True)
   assert len(kron(1e-3).init(params)) == 2
   kron_state, decay_state, lr_state = kron(optax.linear_schedule(1e-3, 0.0, 10), weight_decay=0.1).init(params)
   assert isinstance(decay_state, optax.EmptyState)
@@ -200,7 +202,7 @@ def test_interpreted_kernels_match_the_xla_path():
 
 
 def test_chain_masked_and_multi_steps_compose():
-  params = _params()
+  params = _params(scalar=True)
   grads = [step_grads(params, i) for i in range(2)]
   base = kron(1e-2, impl="xla")
   # MultiSteps over two micro-steps == one step on the mean gradient.
@@ -318,7 +320,7 @@ def test_bad_hyperparameters_are_rejected(kwargs, error, match):
 
 def test_mismatched_grads_and_dtypes_name_the_leaf():
   tx = kron(1e-3, impl="xla")
-  params = _params()
+  params = _params(scalar=True)
   state = tx.init(params)
   with pytest.raises(ValueError, match=r"missing in grads"):
     tx.update({"w": params["w"]}, state)
