@@ -108,9 +108,10 @@ def elementwise_transform(
 
   def init_fn(params):
     v.check_float_leaves(owner, "params", params)
+    # The first moment in mu_dtype, the others (and mu by default) as the params.
+    dtypes = [mu_dtype] + [None] * (num_moments - 1)
     moments = [
-        jax.tree.map(lambda p: jnp.zeros(p.shape, (mu_dtype if i == 0 else None) or p.dtype), params)
-        for i in range(num_moments)
+        jax.tree.map(lambda p, d=d: jnp.zeros(p.shape, d or p.dtype), params) for d in dtypes
     ]
     return state_cls(jnp.zeros([], jnp.int32), *moments), decay_tx.init(params), lr_tx.init(params)
 
