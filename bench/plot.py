@@ -6,7 +6,7 @@
 One panel per optimizer family. The y-axis is the % of the datasheet peak
 when the device has one, else GB/s (TFLOP/s for compute-bound families). Each
 implementation (``impl[kernel]``) has its own colour; single-leaf sweeps are
-lines over the parameter count, one line style per dtype series; realistic
+lines over the parameter count, one line style and marker per dtype series; realistic
 trees are single markers at their parameter count. The dashed line is the
 copy ceiling measured in the same run. Interpreted rows are never drawn.
 Needs matplotlib (the ``bench`` extra).
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from bench import harness
 
 _STYLES = ("-", "--", ":", "-.")
+_LEAF_MARKERS = (".", "x", "+", "1")
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
@@ -67,8 +68,9 @@ def plot(records: Sequence[dict], out: str | pathlib.Path, title: str | None = N
     leaf_series = sorted({s for _, s in leaf_lines})
     for (name, sub), points in sorted(leaf_lines.items()):
       xs, ys = zip(*sorted(points))
-      ax.plot(xs, ys, _STYLES[leaf_series.index(sub) % len(_STYLES)], color=colour[name],
-              marker=".", label=f"{name} leaf {sub}")
+      i = leaf_series.index(sub)
+      ax.plot(xs, ys, _STYLES[i % len(_STYLES)], color=colour[name],
+              marker=_LEAF_MARKERS[i % len(_LEAF_MARKERS)], label=f"{name} leaf {sub}")
     tree_names = sorted({s for _, s in trees})
     for (name, sub), points in sorted(trees.items()):
       xs, ys = zip(*points)
