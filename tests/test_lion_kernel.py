@@ -28,16 +28,24 @@ def test_kernel_equals_reference_over_steps(
   rng = np.random.default_rng(seed)
   p = random_array(rng, shape, param_dtype)
   m = random_array(rng, shape, mu_dtype, scale=0.1)
+  grads = [random_array(rng, shape, grad_dtype) for _ in range(3)]
   s = lion_k.lion_scalars(**hp)
-  for step in range(3):
-    g = random_array(rng, shape, grad_dtype)
-    want = lion_k.lion_reference(p, g, m, s, mode=mode, decay=decay)
-    got = lion_k.lion_kernel(p, g, m, s, mode=mode, decay=decay, backend=backend, interpret=True)
+
+  @jax.jit  # one compile for the three steps, not one per eager kernel call
+  def trajectory(p, m, grads):
+    steps = []
+    for g in grads:
+      want = lion_k.lion_reference(p, g, m, s, mode=mode, decay=decay)
+      got = lion_k.lion_kernel(p, g, m, s, mode=mode, decay=decay, backend=backend, interpret=True)
+      steps.append((got, want))
+      # Chain the reference's own results so each step compares the same inputs.
+      p, m = (want[0] if mode == "apply" else p), want[1]
+    return steps
+
+  for step, (got, want) in enumerate(trajectory(p, m, grads)):
     for name, a, b in zip(("p/u", "m"), got, want):
       assert a.dtype == b.dtype, name
       assert_close(a, b, tolerance(a.dtype), err_msg=f"step {step} {name}")
-    # Chain the reference's own results so each step compares the same inputs.
-    p, m = (want[0] if mode == "apply" else p), want[1]
 
 
 @pytest.mark.parametrize("backend", ["tpu", "triton"])
