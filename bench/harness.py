@@ -886,7 +886,7 @@ def banner(env: Environment, kernel_impls: Sequence[str]) -> str:
     else:
       lines.append(
           "CPU: Pallas kernels would only run interpreted here and are NOT timed. "
-          "The pallasopt rows time their XLA reference path (impl='auto' -> kernel 'xla'): "
+          "The pallasopt rows time their XLA reference path (what impl='auto' runs on a CPU): "
           "this measures fusion and bytes moved on this CPU, not the Pallas kernels."
       )
   return "\n".join(lines)
