@@ -135,6 +135,15 @@ def run_optax_f32_math(make, kwargs, params, steps, fused, moment_of=None):
 # ---- Cross-platform lowering from the CPU host. ----
 
 CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+# Leaf shapes lowering tests cover: 0-d, flat ragged, row-ragged, 4-d, a large
+# prime size and a large matrix (as ShapeDtypeStructs they cost nothing).
+LOWERING_SHAPES = [(), (7,), (37, 128), (3, 5, 7, 11), (1_000_003,), (4096, 1024)]
+
+
+def sds(shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
 # Export refuses custom calls without a stability guarantee unless told.
 _DISABLED_CHECKS = {
     "tpu": (),

@@ -6,48 +6,43 @@ spaces, compiler params), not device compilation or speed. Arguments are
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
-from helpers import CUSTOM_CALL, lowered_text
+from helpers import CUSTOM_CALL, LOWERING_SHAPES, lowered_text, sds
 from pallasopt.kernels import lion as lion_k
 from pallasopt.optim._base import apply_gradients
 from pallasopt.optim.lion import lion
 
-SIZES = [(), (7,), (37, 128), (3, 5, 7, 11), (1_000_003,), (4096, 1024)]
-PLATFORMS = ["tpu", "cuda"]
 SCALARS = lion_k.lion_scalars(1e-4, 0.9, 0.99, 0.1)
+# (mode, decay, dtypes of p, g, m)
+KERNEL_CASES = [
+    ("apply", True, (jnp.float32,) * 3),
+    ("apply", False, (jnp.bfloat16, jnp.bfloat16, jnp.float32)),
+    ("updates", False, (jnp.float32,) * 3),
+    ("updates", True, (jnp.bfloat16,) * 3),
+]
 
 
-def _sds(shape, dtype=jnp.float32):
-  return jax.ShapeDtypeStruct(shape, dtype)
-
-
-@pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("shape", SIZES, ids=str)
 @pytest.mark.parametrize(
-    "mode,decay,dtypes",
-    [
-        ("apply", True, (jnp.float32,) * 3),
-        ("apply", False, (jnp.bfloat16, jnp.bfloat16, jnp.float32)),
-        ("updates", False, (jnp.float32,) * 3),
-        ("updates", True, (jnp.bfloat16,) * 3),
-    ],
+    "platform,shape", list(itertools.product(["tpu", "cuda"], LOWERING_SHAPES)), ids=str
 )
+@pytest.mark.parametrize("mode,decay,dtypes", KERNEL_CASES)
 def test_lion_kernel_lowers(platform, shape, mode, decay, dtypes):
-  p, g, m = (_sds(shape, d) for d in dtypes)
+  p, g, m = (sds(shape, d) for d in dtypes)
   entry = lion_k.lion_apply if mode == "apply" else lion_k.lion_updates
   fn = lambda p, g, m, s: entry(p, g, m, s, decay=decay, impl="auto")
   text = lowered_text(fn, platform, p, g, m, SCALARS)
   assert text.count(CUSTOM_CALL[platform]) == 1
 
 
-@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_lion_transform_lowers_with_one_kernel_per_leaf(platform):
-  params = {"w": _sds((768, 3072)), "b": _sds((3072,)), "ln": _sds((7,), jnp.bfloat16), "s": _sds(())}
+  params = {"w": sds((768, 3072)), "b": sds((3072,)), "ln": sds((7,), jnp.bfloat16), "s": sds(())}
   tx = lion(optax.cosine_decay_schedule(1e-4, 100), weight_decay=0.1, mu_dtype=jnp.bfloat16,
             mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
   state = jax.eval_shape(tx.init, params)
@@ -58,6 +53,6 @@ def test_lion_transform_lowers_with_one_kernel_per_leaf(platform):
 
 
 def test_auto_on_cpu_lowers_to_plain_xla():
-  x = _sds((256,))
+  x = sds((256,))
   fn = jax.jit(lambda *a: lion_k.lion_apply(*a, impl="auto"))
   assert "custom_call" not in fn.lower(x, x, x, SCALARS).as_text()
