@@ -109,6 +109,7 @@ __all__ = [
     "adafactor_kernel",
     "adafactor_apply",
     "adafactor_updates",
+    "pass_bytes",
     "MIN_PARAMETER_SCALE",
 ]
 
@@ -281,7 +282,8 @@ def adafactor_reference(
     g: gradient, same shape as ``p``.
     v_row, v_col, v: the leaf's `optax.FactoredState` entries: with
       ``factored_dims`` the factored statistics (``v`` is a placeholder),
-      otherwise ``v`` (``v_row`` and ``v_col`` are placeholders).
+      otherwise ``v`` (``v_row`` and ``v_col`` are placeholders). As in
+      Optax, the placeholders come back as zeros.
     m: the momentum accumulator, or None without momentum.
     scalars: `AdafactorScalars` of this step.
     mode: ``"apply"`` returns ``p + u`` first; ``"updates"`` returns ``u``.
@@ -314,11 +316,11 @@ def adafactor_reference(
          * jnp.expand_dims(along_d0, d1))
     moment = v_row
     state = (jnp.moveaxis(new_row, -1, row_axis).astype(v_row.dtype),
-             new_col.astype(v_col.dtype), v)
+             new_col.astype(v_col.dtype), jnp.zeros_like(v))
   else:
     u, new_v = _unfactored_u(s, f32(g), f32(v))
     moment = v
-    state = (v_row, v_col, new_v.astype(v.dtype))
+    state = (jnp.zeros_like(v_row), jnp.zeros_like(v_col), new_v.astype(v.dtype))
   blocks = tuple(range(min(stacked_axes, g.ndim), g.ndim))
   u = u * _block_scale(
       s,
@@ -416,7 +418,7 @@ def adafactor_kernel(
           name="adafactor_rms", flops_per_element=_RMS_FLOPS, **call,
       )
     state = (new_row.reshape(v_row.shape).astype(v_row.dtype),
-             new_col.reshape(v_col.shape).astype(v_col.dtype), v)
+             new_col.reshape(v_col.shape).astype(v_col.dtype), jnp.zeros_like(v))
     moment, operands = v_row, [full(g)] + factors
     first_aliases = {}
 
@@ -485,8 +487,38 @@ def adafactor_kernel(
   outs = [o.reshape(shape) for o in outs]
   first = outs.pop(0)
   if factored_dims is None:
-    state = (v_row, v_col, outs.pop(0))
+    state = (jnp.zeros_like(v_row), jnp.zeros_like(v_col), outs.pop(0))
   return (first, *state, outs.pop(0) if momentum else None)
+
+
+def pass_bytes(
+    shape: tuple[int, ...], factored_dims: tuple[int, int] | None, *, mode: str,
+    param_dtype, grad_dtype, state_dtype=None, momentum_dtype=None,
+    clipping: bool = True, parameter_scale: bool = True, decay: bool = False,
+) -> tuple[int, ...]:
+  """HBM bytes of each pass the Pallas path makes over a leaf (the model).
+
+  One number per `pallas_call` of `adafactor_kernel`, counting the leaf-sized
+  operands each pass reads and writes once (see the module docstring); the
+  kernels' ``pl.CostEstimate`` adds the row, column and partial-sum vectors,
+  a few percent more. ``state_dtype`` (v's dtype; default the params') and
+  ``momentum_dtype`` (None: no momentum) as in `adafactor_reference`.
+  """
+  n = math.prod(shape)
+  size = lambda dtype: n * jnp.dtype(dtype).itemsize
+  p, g = size(param_dtype), size(grad_dtype)
+  v = size(state_dtype or param_dtype)
+  m = 0 if momentum_dtype is None else 2 * size(momentum_dtype)
+  out = p if mode == "apply" else size(jnp.result_type(
+      param_dtype, grad_dtype, state_dtype or param_dtype, *([momentum_dtype] if m else [])))
+  update = g + (p if mode == "apply" or decay else 0) + m + out
+  if factored_dims is not None:
+    return (g + p * parameter_scale,) + ((g,) if clipping else ()) + (update,)
+  if clipping:
+    before = (g + v + p * parameter_scale,)
+  else:
+    before = (p,) if parameter_scale else ()
+  return before + (update + 2 * v,)
 
 
 def adafactor_apply(

@@ -143,38 +143,40 @@ def _pallas_calls(fn, *args):
 
 
 @pytest.mark.parametrize(
-    "shape,dims,clipping,parameter_scale,mode,passes,update_bytes",
+    "dims,clipping,parameter_scale,mode,decay,bytes_per_param",
     [
-        # Factored: statistics (+ RMS with clipping) + update.
-        ((64, 256), (0, 1), True, True, "apply", 3, 12),  # read g, p; write p
-        ((64, 256), (0, 1), False, True, "apply", 2, 12),
-        ((64, 256), (0, 1), True, True, "updates", 3, 8),  # read g; write u
-        # Unfactored: one pass, plus one for clipping or parameter scale.
-        ((64, 256), None, False, False, "apply", 1, 20),  # read g, v, p; write p, v
-        ((64, 256), None, False, True, "apply", 2, 20),
-        ((64, 256), None, True, True, "apply", 2, 20),
-        ((64, 256), None, False, False, "updates", 1, 16),  # read g, v; write u, v
+        # Factored: statistics (+ RMS with clipping) + update. Optax's defaults
+        # in apply mode: read g, p | read g | read g, p, write p = 24 B/param.
+        ((0, 1), True, True, "apply", False, (8, 4, 12)),
+        ((0, 1), False, True, "apply", False, (8, 12)),
+        ((0, 1), True, True, "updates", False, (8, 4, 8)),  # update: read g, write u
+        ((0, 1), True, False, "updates", True, (4, 4, 12)),  # decay reads p
+        # Unfactored: one pass, plus one before it for clipping or param scale.
+        (None, False, False, "apply", False, (20,)),  # read g, v, p; write p, v
+        (None, False, True, "apply", False, (4, 20)),  # parameter scale reads only p
+        (None, True, True, "apply", False, (12, 20)),  # read g, v, p | update
+        (None, True, False, "updates", False, (8, 16)),  # read g, v | write u, v
     ],
 )
-def test_passes_and_bytes_per_configuration(
-    shape, dims, clipping, parameter_scale, mode, passes, update_bytes
-):
+def test_passes_and_bytes_per_configuration(dims, clipping, parameter_scale, mode, decay,
+                                            bytes_per_param):
+  shape = (64, 256)
   n = math.prod(shape)
   x = jnp.ones(shape)
   state = state_for(shape, dims, jnp.float32)
   s = adafactor_k.adafactor_scalars(1)
-  fn = functools.partial(
-      adafactor_k.adafactor_kernel, mode=mode, factored_dims=dims, clipping=clipping,
-      parameter_scale=parameter_scale, backend="tpu")
+  config = dict(mode=mode, clipping=clipping, parameter_scale=parameter_scale, decay=decay)
+  fn = functools.partial(adafactor_k.adafactor_kernel, factored_dims=dims, **config,
+                         backend="tpu")
   calls = _pallas_calls(lambda *a: fn(*a, s), x, x, *state)
-  assert len(calls) == passes
-  update = calls[-1].params["cost_estimate"].bytes_accessed
-  vectors = 4 * (2 * sum(shape) + shape[0]) if dims else 4 * shape[0]
-  assert update_bytes * n <= update <= update_bytes * n + vectors
-  if dims is not None:
-    # The statistics pass reads g (and p with parameter scale) once.
-    stats = calls[0].params["cost_estimate"].bytes_accessed
-    assert (4 + 4 * parameter_scale) * n <= stats <= (4 + 4 * parameter_scale) * n * 1.05
+  model = adafactor_k.pass_bytes(shape, dims, param_dtype=jnp.float32, grad_dtype=jnp.float32,
+                                 **config)
+  assert model == tuple(b * n for b in bytes_per_param)
+  # The cost estimates add the row, column and partial-sum vectors.
+  estimates = [c.params["cost_estimate"].bytes_accessed for c in calls]
+  assert len(estimates) == len(model)
+  for estimate, floor in zip(estimates, model):
+    assert floor <= estimate <= floor * 1.05
 
 
 def test_apply_aliases_params_momentum_and_v_in_place():
