@@ -7,12 +7,15 @@ Subpackages:
   * `pallasopt.optim`: Optax `GradientTransformation`s built on the kernels,
     state-compatible with their Optax counterparts, plus the fused
     `apply_gradients` path.
-  * `pallasopt.pipeline`: pipeline-parallel helpers built on `pallasopt.optim`.
+  * `pallasopt.pipeline`: the circular pipeline schedule under `shard_map`, its
+    train step with a stage-local fused optimizer, and sharding rules for
+    params and optimizer state.
 """
 
 from pallasopt import kernels
 from pallasopt import optim
+from pallasopt import pipeline
 
 __version__ = "0.1.0"
 
-__all__ = ["kernels", "optim", "__version__"]
+__all__ = ["kernels", "optim", "pipeline", "__version__"]

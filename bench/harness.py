@@ -28,7 +28,7 @@ from an Optax transform and a pallasopt factory::
       out.append(harness.optimizer_case(
           family=FAMILY, workload=w,
           optax_tx=optax.lion(1e-4, weight_decay=0.1),
-          pallasopt_tx=lambda impl: pallasopt.optim.lion.lion(1e-4, weight_decay=0.1, impl=impl),
+          pallasopt_tx=lambda impl: pallasopt.optim.lion(1e-4, weight_decay=0.1, impl=impl),
           bytes=fused_bytes(w.tree),              # == the kernels' pl.CostEstimate
           update_bytes=update_bytes(w.tree),      # what update + apply_updates move
       ))

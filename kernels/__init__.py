@@ -3,9 +3,20 @@
 This layer knows arrays, not pytrees or Optax. Every family module exposes a
 reference (the XLA path), a Pallas kernel with the same signature, and
 dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
-"xla"`` (see `use_impl`).
+"xla"`` (see `use_impl`):
+
+* `pallasopt.kernels.adamw`: fused AdamW / NAdamW (apply and updates modes);
+* `pallasopt.kernels.lion`: fused Lion;
+* `pallasopt.kernels.adafactor`: factored second moments, update clipping,
+  parameter scale and momentum in two passes over the gradient;
+* `pallasopt.kernels.newton_schulz`: batched Newton–Schulz orthogonalization
+  (Muon; entry point ``newton_schulz.newton_schulz``), resident on chip for small matrices, symmetric tiled matmuls for
+  large ones;
+* `pallasopt.kernels.kron`: PSGD Kron preconditioner application and factor
+  update.
 """
 
+from pallasopt.kernels import adafactor, adamw, kron, lion, newton_schulz
 from pallasopt.kernels._dispatch import IMPLS, Impl, resolve_impl, use_impl
 from pallasopt.kernels._tiling import TilePlan, plan_tiles
 from pallasopt.kernels.adamw import (
@@ -16,6 +27,28 @@ from pallasopt.kernels.adamw import (
     adamw_scalars,
     adamw_updates,
 )
+from pallasopt.kernels.kron import (
+    KronScalars,
+    kron_factor_update,
+    kron_precondition,
+    kron_scalars,
+    norm_lower_bound,
+)
+from pallasopt.kernels.lion import (
+    LionScalars,
+    lion_apply,
+    lion_kernel,
+    lion_reference,
+    lion_scalars,
+    lion_updates,
+)
+from pallasopt.kernels.newton_schulz import (
+    PRESETS,
+    coefficient_table,
+    newton_schulz_kernel,
+    newton_schulz_reference,
+    preset_table,
+)
 
 __all__ = [
     "IMPLS",
@@ -24,10 +57,36 @@ __all__ = [
     "use_impl",
     "TilePlan",
     "plan_tiles",
+    # Family modules.
+    "adafactor",
+    "adamw",
+    "kron",
+    "lion",
+    "newton_schulz",
+    # AdamW.
     "AdamWScalars",
     "adamw_apply",
     "adamw_kernel",
     "adamw_reference",
     "adamw_scalars",
     "adamw_updates",
+    # Lion.
+    "LionScalars",
+    "lion_apply",
+    "lion_kernel",
+    "lion_reference",
+    "lion_scalars",
+    "lion_updates",
+    # Newton–Schulz.
+    "PRESETS",
+    "coefficient_table",
+    "newton_schulz_kernel",
+    "newton_schulz_reference",
+    "preset_table",
+    # Kron.
+    "KronScalars",
+    "kron_factor_update",
+    "kron_precondition",
+    "kron_scalars",
+    "norm_lower_bound",
 ]

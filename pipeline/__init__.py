@@ -1,5 +1,27 @@
-"""Pipeline-parallel training built on `pallasopt.optim`."""
+"""Pipeline-parallel training built on `pallasopt.optim`.
 
+* `CircularSchedule`: the arithmetic of a circular pipeline schedule.
+* `layers_to_stages` / `stages_to_layers` and friends: ``[L, ...]`` per-layer
+  params to and from the stage-stacked ``[R, S, (lps), ...]`` layout.
+* `circular_pipeline`: the forward pass under ``shard_map``; `jax.grad`
+  differentiates through it.
+* `make_train_step`: forward, backward and a stage-local fused optimizer step
+  on every stage, in one jitted step.
+* `pallasopt.pipeline.sharding`: partition specs for params and optimizer
+  state, memory estimates, `barrier_sync`.
+"""
+
+from pallasopt.pipeline.circular import circular_pipeline, io_specs, scan_layers
+from pallasopt.pipeline.layout import (
+    check_stacked,
+    layers_to_stages,
+    stack_layers,
+    stage_shardings,
+    stage_specs,
+    stages_to_layers,
+    unstack_layers,
+)
+from pallasopt.pipeline.schedule import CircularSchedule
 from pallasopt.pipeline.sharding import (
     AutoShardingRule,
     CompositeShardingRule,
@@ -16,8 +38,22 @@ from pallasopt.pipeline.sharding import (
     replicate_factors,
     shard_factors_like_params,
 )
+from pallasopt.pipeline.train import PipelineTrainStep, make_train_step
 
 __all__ = [
+    "CircularSchedule",
+    "circular_pipeline",
+    "io_specs",
+    "scan_layers",
+    "check_stacked",
+    "layers_to_stages",
+    "stack_layers",
+    "stage_shardings",
+    "stage_specs",
+    "stages_to_layers",
+    "unstack_layers",
+    "PipelineTrainStep",
+    "make_train_step",
     "AutoShardingRule",
     "CompositeShardingRule",
     "FactorInfo",

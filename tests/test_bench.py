@@ -8,19 +8,16 @@ They measure nothing worth reading.
 import dataclasses
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# `bench/` is a folder at the repository root, run as `python -m bench` from
-# there and not installed: make the root importable as `python -m` does.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-from bench import cases_adamw, harness, kernels, plot, workloads  # noqa: E402
-from pallasopt.kernels._compat import pl  # noqa: E402
+# `bench/` is a folder at the repository root, not installed; pyproject.toml's
+# `pythonpath = ["."]` makes it importable, as `python -m bench` does.
+from bench import cases_adamw, harness, kernels, plot, workloads
+from pallasopt.kernels._compat import pl
 
 # Three implementations on a leaf, and the fused path on a stacked mixed-dtype tree.
 CI_FILTER = r"adamw/(leaf/f32/1000|decoder-tiny.*fused)"
