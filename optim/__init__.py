@@ -4,9 +4,85 @@ Every transform here is a drop-in for its Optax counterpart: same arguments
 (plus keyword-only ``impl``), same state tree, and it composes with
 ``optax.chain``, ``optax.masked``, ``optax.MultiSteps`` and
 ``optax.inject_hyperparams``. `apply_gradients` runs the fused in-place path.
+
+=====================  ======================================
+pallasopt              counterpart
+=====================  ======================================
+`adamw`, `nadamw`      ``optax.adamw``, ``optax.nadamw``
+`lion`                 ``optax.lion``
+`adafactor`            ``optax.adafactor``
+`muon`                 ``optax.contrib.muon``
+`kron`                 psgd_jax 0.2.9 ``kron``
+=====================  ======================================
+
+The stage-local layer (`create_optimizer`,
+`StageLocalGradientTransformation.apply_gradients_stage_local`, configs and
+registries) updates one pipeline stage's params from its own gradients with the
+same fused kernels.
 """
 
 from pallasopt.optim._base import FusedGradientTransformation, apply_gradients
+from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
 from pallasopt.optim.adamw import adamw, nadamw
+from pallasopt.optim.configs import create_scheduler
+from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_schedule, scale_by_kron
+from pallasopt.optim.lion import lion
+from pallasopt.optim.muon import (
+    MUON_STATIC_ARGS,
+    MuonDimensionNumbers,
+    MuonSecondMomentState,
+    MuonState,
+    muon,
+)
+from pallasopt.optim.stage_local import (
+    AdafactorConfig,
+    AdamWConfig,
+    KronConfig,
+    LionConfig,
+    MuonConfig,
+    SchedulerConfig,
+    StageLocalGradientTransformation,
+    StageLocalOptimizerMetadata,
+    create_optimizer,
+    fused_stage_local_apply,
+    make_stage_local_gradient_transformation,
+    make_unsupported_stage_local_gradient_transformation,
+    register_optimizer,
+    register_scheduler,
+)
 
-__all__ = ["FusedGradientTransformation", "apply_gradients", "adamw", "nadamw"]
+__all__ = [
+    "FusedGradientTransformation",
+    "apply_gradients",
+    # Drop-ins.
+    "adafactor",
+    "adamw",
+    "kron",
+    "lion",
+    "muon",
+    "nadamw",
+    "scale_by_kron",
+    "ADAFACTOR_STATIC_ARGS",
+    "precond_update_prob_schedule",
+    "KRON_STATIC_ARGS",
+    "MUON_STATIC_ARGS",
+    "MuonDimensionNumbers",
+    "MuonSecondMomentState",
+    "MuonState",
+    # Stage-local layer.
+    "AdafactorConfig",
+    "AdamWConfig",
+    "KronConfig",
+    "LionConfig",
+    "MuonConfig",
+    "SchedulerConfig",
+    "StageLocalGradientTransformation",
+    "StageLocalOptimizerMetadata",
+    "create_optimizer",
+    "create_scheduler",
+    "fused_stage_local_apply",
+    "make_stage_local_gradient_transformation",
+    "make_unsupported_stage_local_gradient_transformation",
+    "register_optimizer",
+    "register_scheduler",
+]

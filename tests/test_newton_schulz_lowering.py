@@ -44,7 +44,7 @@ def test_newton_schulz_lowers(platform, shape, dtype, preconditioning, launches)
 def test_muon_transform_lowers(platform):
   params = {"w": _sds((256, 512)), "stack": _sds((3, 64, 128)), "b": _sds((512,))}
   tx = muon(1e-3, stacked_axes=0, muon_weight_dimension_numbers={
-      "w": pallasopt.optim.muon.MuonDimensionNumbers(), "stack": pallasopt.optim.muon.MuonDimensionNumbers(1, 2),
+      "w": pallasopt.optim.MuonDimensionNumbers(), "stack": pallasopt.optim.MuonDimensionNumbers(1, 2),
       "b": None})
   state = jax.eval_shape(tx.init, params)
   fused = functools.partial(pallasopt.optim.apply_gradients, tx)
