@@ -115,18 +115,6 @@ def elementwise_transform(
     ]
     return state_cls(jnp.zeros([], jnp.int32), *moments), decay_tx.init(params), lr_tx.init(params)
 
-  def param_leaves(params, grads, mode, decays):
-    if params is not None:
-      v.check_same_tree(owner, "params", params, "grads", grads)
-      v.check_float_leaves(owner, "params", params)
-      return jax.tree.leaves(params)
-    if mode == "apply" or any(decays):
-      raise ValueError(
-          f"{owner}: params are required "
-          + ("to apply gradients." if mode == "apply" else "for weight decay.")
-      )
-    return [None] * len(decays)
-
   def step(grads, state, params, mode, grad_scale, learning_rate_now):
     moment_state, decay_state, lr_state = state
     moments = moment_state[1:]
@@ -134,7 +122,7 @@ def elementwise_transform(
     v.check_float_leaves(owner, "grads", grads)
     num_leaves = len(jax.tree.leaves(grads))
     decays = [False] * num_leaves if never_decays else v.broadcast_mask(owner, mask, grads)
-    ps = param_leaves(params, grads, mode, decays)
+    ps = v.checked_param_leaves(owner, params, grads, mode=mode, decays=decays)
 
     count = optax.safe_increment(moment_state.count)
     if learning_rate_now is None:

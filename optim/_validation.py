@@ -156,3 +156,30 @@ def static_int(owner: str, name: str, value: Any, *, low: int = 0, static_args: 
   if isinstance(value, bool) or x is None or x != int(x) or x < low:
     raise ValueError(f"{owner}: {name} must be an int >= {low}; got {value!r}.")
   return int(x)
+
+
+def checked_param_leaves(
+    owner: str, params: Any, grads: Any, *, mode: str, decays: list[bool]
+) -> list[Any]:
+  """The param leaves a step needs, or Nones where the Optax contract allows.
+
+  ``update`` may be called without params unless a leaf decays; applying
+  gradients always needs them. Params that are given must match the grads.
+
+  Args:
+    owner: the transform's name, for messages.
+    params: the params passed to the step, or None.
+    grads: the gradients.
+    mode: ``"updates"`` (Optax ``update``) or ``"apply"`` (fused apply).
+    decays: per-leaf weight-decay flags.
+  """
+  if params is not None:
+    check_same_tree(owner, "params", params, "grads", grads)
+    check_float_leaves(owner, "params", params)
+    return jax.tree.leaves(params)
+  if mode == "apply" or any(decays):
+    raise ValueError(
+        f"{owner}: params are required "
+        + ("to apply gradients." if mode == "apply" else "for weight decay.")
+    )
+  return [None] * len(decays)

@@ -65,6 +65,7 @@ from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
+    fused_transformation,
     schedule_count,
 )
 
@@ -457,21 +458,13 @@ def kron(
       parts.append(decay_tx.init(params))
     return (*parts, lr_tx.init(params))
 
-  def step(grads, state, params, mode, grad_scale=None, learning_rate_now=None):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now):
     kron_state, *decay_state, lr_state = state
     decays = (
         v.broadcast_mask(_OWNER, weight_decay_mask, grads)
         if decay_state else [False] * len(jax.tree.leaves(grads))
     )
-    if params is None:
-      if mode == "apply" or any(decays):
-        raise ValueError(
-            f"{_OWNER}: params are required "
-            + ("to apply gradients." if mode == "apply" else "for weight decay.")
-        )
-    else:
-      v.check_same_tree(_OWNER, "params", params, "grads", grads)
-      v.check_float_leaves(_OWNER, "params", params)
+    v.checked_param_leaves(_OWNER, params, grads, mode=mode, decays=decays)
     if learning_rate_now is None:
       learning_rate_now = (
           learning_rate(schedule_count(lr_state)) if callable(learning_rate) else learning_rate
@@ -484,11 +477,4 @@ def kron(
     )
     return first, (kron_state, *decay_state, advance_schedule(lr_state))
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    return step(updates, state, params, "updates")
-
-  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
-    return step(grads, state, params, "apply", grad_scale, learning_rate)
-
-  return FusedGradientTransformation(init_fn, update_fn, apply_fn)
+  return fused_transformation(init_fn, step)
