@@ -12,7 +12,10 @@ importable with current Optax). Each workload gives two cases, timed apart:
 
 Workloads: stacked small layers (one leaf of many layers: where the kernels'
 batching pays) and GPT-2 trees (model shapes; factors wider than one kernel
-block run the reference, see `pallasopt.kernels.kron`).
+block run the reference, see `pallasopt.kernels.kron`). The ``quick`` tier on
+a CPU host runs the stack only: an update step of even the 4-layer GPT-2 tree
+takes ~10 s there, with a ~10 s compile. The matmuls run in the parameters'
+dtype (default precision), so that is the case's ``compute_dtype``.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def case(workload: workloads.Workload, step: str, stacked_axes: int = 0) -> harn
       params=workload.params, leaves=workload.leaves, inputs=inputs, impls=impls,
       bytes=fused_bytes(workload, stacked_axes), flops=flops(workload, stacked_axes, step),
       metric="compute", baseline="xla",
+      compute_dtype=jax.tree.leaves(workload.tree)[0].dtype.name,
   )
 
 
@@ -102,7 +106,8 @@ def cases(tier: str) -> list[harness.Case]:
     stacks = [_stack(48, 64, 64)]
   else:
     stacks = [_stack(48, 64, 64), _stack(96, 128, 128), _stack(24, 128, 512)]
-  # The ci tier stays small: a Kron step over a whole tree compiles slowly on a CPU.
+  # The ci tier stays small: a Kron step over a whole tree compiles slowly on a
+  # CPU (quick on a CPU has no trees, see `workloads.for_tier`).
   trees = [] if tier == "ci" else workloads.for_tier(tier, ("f32",))[:1]
   out = []
   for step in PROBABILITY:

@@ -57,6 +57,7 @@ def case(workload: workloads.Workload) -> harness.Case:
       bytes=5 * size * itemsize,
       flops=batch * ns_flops(*spec.shape[-2:], NS_STEPS),
       metric="compute",
+      compute_dtype=spec.dtype.name,  # the Newton-Schulz iterates' dtype (iter_dtype=None)
   )
 
 

@@ -56,13 +56,19 @@ For anything else build `Case` directly. The contract:
   roofline. ``Impl.bytes`` (optional) records what that implementation's own
   model moves (e.g. 40 B/param for AdamW ``update`` + ``apply_updates``).
 * ``Case.baseline`` names the implementation the "vs optax" ratio divides by.
+* ``Case.compute_dtype`` (compute cases): the dtype the step's matmuls run
+  in; it picks the measured matmul ceiling the row is compared with (default:
+  the dtype of the largest floating leaf of the consts, i.e. the grads).
 * ``Case.key`` (``family/workload/label``) must be unique. For single leaves
   (``workload="leaf"``) put the size in the label as its own ``/`` part
   (``"f32/1048576"``): `bench.plot` draws one line per label without it.
 * Tiers: ``ci`` runs in the test suite (seconds); ``quick`` is
-  ``python -m bench``, whose whole run must stay under a minute on a 2-core
-  CPU, so keep it to about three small cases (~10 s of CPU) per family;
-  ``full`` is the accelerator sweep (resumable, so it may be long).
+  ``python -m bench``, whose whole run must stay well under a minute on a
+  2-core CPU, so keep it to a few small cases (a few seconds of CPU, compiles
+  included) per family: model-shaped trees whose step or compile takes
+  seconds on a CPU belong in quick only on an accelerator
+  (``jax.default_backend() != "cpu"``); ``full`` is the accelerator sweep
+  (resumable, so it may be long).
 
 How a configuration is measured
 ===============================
@@ -88,15 +94,19 @@ How a configuration is measured
    ((max - min) / median). After warm-up, at least 3 and at most
    `Settings.iters` samples, stopping early past `Settings.max_time_s`.
 
-In the same run the harness measures a *copy ceiling* (an in-place
-``x <- x + 1`` stream over a buffer far larger than any cache, counting bytes
-read + written) and, when a compute case is selected, a bf16 matmul ceiling,
-and looks up the datasheet peaks of the device (`DATASHEET`).
+In the same run the harness measures the *ceilings* the "% ceiling" column
+divides by: for bandwidth rows a copy stream (an in-place ``x <- x + 1`` over a
+buffer far larger than any cache, counting bytes read + written), for compute
+rows a dense square matmul in the case's `Case.compute_dtype` (an f32 case is
+never compared with a bf16 matmul, whose speed differs by a large factor, and
+on a CPU, where bf16 is emulated, the other way round). It also looks up the
+datasheet peaks of the device (`DATASHEET`); those give dense bf16 matmul
+only, so "% peak" of a compute row is shown for bf16 cases only.
 
 Output: one JSONL record per configuration, appended and flushed as soon as
 it is measured (versions, device kind, commit, timing method, all numbers),
-so a long sweep can be resumed: configurations already in the file are
-skipped. A Markdown table goes to stdout (and beside the JSONL as ``.md``);
+so a long sweep can be resumed: configurations already in the file (measured
+on this device kind, under this `SCHEMA`) are skipped. A Markdown table goes to stdout (and beside the JSONL as ``.md``);
 progress goes to stderr. On a CPU the Pallas kernels exist only as an
 interpreter, which is not a kernel speed: pallasopt's rows time its XLA
 reference path (``impl="auto"`` resolves to it there; the harness asks for
@@ -141,6 +151,8 @@ __all__ = [
     "Environment",
     "StepFn",
     "datasheet_peaks",
+    "compute_dtype",
+    "ceiling_label",
     "environment",
     "kernel_label",
     "optax_step",
@@ -154,7 +166,8 @@ __all__ = [
     "main",
 ]
 
-SCHEMA = 1
+# 2: per-dtype matmul ceilings (``ceiling``/``ceiling_pct``, were ``copy_*``).
+SCHEMA = 2
 TIERS = ("ci", "quick", "full")
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -204,6 +217,8 @@ class Case:
     flops: floor flops of one step.
     metric: ``"bandwidth"`` (GB/s vs bytes) or ``"compute"`` (TFLOP/s vs flops).
     baseline: name of the implementation ratios divide by.
+    compute_dtype: dtype of the step's matmuls (compute cases; picks the
+      matmul ceiling). None: the largest floating leaf of the consts.
   """
 
   family: str
@@ -217,6 +232,7 @@ class Case:
   flops: int = 0
   metric: Metric = "bandwidth"
   baseline: str = "optax"
+  compute_dtype: str | None = None
 
   @property
   def key(self) -> str:
@@ -311,6 +327,7 @@ def optimizer_case(
     flops: int = 0,
     metric: Metric = "bandwidth",
     label: str | None = None,
+    compute_dtype: str | None = None,
     prepare_state: Callable[[jax.Array, Any], Any] = randomize_floats,
 ) -> Case:
   """The standard three-way comparison for an optimizer on a workload.
@@ -334,6 +351,7 @@ def optimizer_case(
     flops: floor flops per step.
     metric: ``"bandwidth"`` or ``"compute"``.
     label: case label (default: the workload's).
+    compute_dtype: see `Case.compute_dtype`.
     prepare_state: ``(key, state) -> state`` making the initial state.
   """
   specs = workload.tree
@@ -352,7 +370,7 @@ def optimizer_case(
   return Case(
       family=family, workload=workload.name, label=label or workload.label,
       params=workload.params, leaves=workload.leaves, inputs=inputs, impls=impls,
-      bytes=bytes, flops=flops, metric=metric,
+      bytes=bytes, flops=flops, metric=metric, compute_dtype=compute_dtype,
   )
 
 
@@ -536,6 +554,10 @@ class Settings:
     if platform == "cpu" and tier != "ci":
       # Past the last-level cache of a typical host; CPU steps are slow anyway.
       base.update(rotate_bytes=64 << 20, sample_s=5e-3)
+    if platform == "cpu" and tier == "quick":
+      # `python -m bench` on a CPU: a few samples per configuration suffice
+      # to read fusion and bytes moved; keep the whole run well under a minute.
+      base.update(warmup=1, iters=7, max_time_s=0.25, rotate_bytes=32 << 20, max_rotations=8)
     base.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(**base)
 
@@ -775,20 +797,20 @@ def _measure(
   return out
 
 
-# Ceilings measured in this process, by (measure, device kind, tier, timing):
+# Ceilings measured in this process, by (name, device kind, tier, timing):
 # every `run` of one process (e.g. several scripts or resumed sweeps) shares them.
 _CEILINGS: dict[tuple, dict] = {}
 
 
-def _ceiling(measure: Callable[[Environment, Settings], dict], env: Environment, s: Settings) -> dict:
-  key = (measure.__name__, env.device_kind, s.tier, s.timing)
+def _ceiling(name: str, measure: Callable[[], dict], env: Environment, s: Settings) -> dict:
+  key = (name, env.device_kind, s.tier, s.timing)
   if key not in _CEILINGS:
-    _CEILINGS[key] = measure(env, s)
+    _CEILINGS[key] = {"name": name, **measure()}
   return _CEILINGS[key]
 
 
 def _ceiling_copy(env: Environment, s: Settings) -> dict:
-  """Measured read+write bandwidth: an in-place ``x <- x + 1`` stream."""
+  """Measured read+write bandwidth: an in-place ``x <- x + 1`` stream (best sample)."""
   mib = {"ci": 4, "quick": 64, "full": 64}[s.tier] if env.platform == "cpu" else 1024
   n = (mib << 20) // 4
   spec = jax.ShapeDtypeStruct((n,), jnp.float32)
@@ -799,14 +821,15 @@ def _ceiling_copy(env: Environment, s: Settings) -> dict:
   bench = dataclasses.replace(s, rotate_bytes=0, profile_dir=None)
   t = _measure("copy_ceiling", lambda x, _: x + 1.0, inputs, leaves=1, s=bench, env=env)
   moved = 2 * n * 4
-  return {"bytes": moved, "median_ms": t["median_ms"], "timing": t["timing"],
-          "gbps": moved / (t["median_ms"] * 1e-3) / 1e9}
+  return {"bytes": moved, "min_ms": t["min_ms"], "median_ms": t["median_ms"], "timing": t["timing"],
+          "gbps": moved / (t["min_ms"] * 1e-3) / 1e9}
 
 
-def _ceiling_matmul(env: Environment, s: Settings) -> dict:
-  """Measured dense bf16 matmul rate (f32 accumulation)."""
+def _ceiling_matmul(env: Environment, s: Settings, dtype: str) -> dict:
+  """Measured dense ``dtype`` matmul rate (f32 accumulation, default precision;
+  best sample: a ceiling, not a typical time)."""
   d = 512 if env.platform == "cpu" else 8192
-  spec = jax.ShapeDtypeStruct((d, d), jnp.bfloat16)
+  spec = jax.ShapeDtypeStruct((d, d), jnp.dtype(dtype))
 
   def inputs(key):
     draw = lambda stream: random_tree(key, spec, stream=stream)
@@ -817,10 +840,38 @@ def _ceiling_matmul(env: Environment, s: Settings) -> dict:
     return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(c.dtype)
 
   bench = dataclasses.replace(s, rotate_bytes=0, profile_dir=None)
-  t = _measure("matmul_ceiling", step, inputs, leaves=1, s=bench, env=env)
+  t = _measure(f"matmul_ceiling_{dtype}", step, inputs, leaves=1, s=bench, env=env)
   flops = 2 * d**3
-  return {"flops": flops, "median_ms": t["median_ms"], "timing": t["timing"],
-          "tflops": flops / (t["median_ms"] * 1e-3) / 1e12}
+  return {"flops": flops, "min_ms": t["min_ms"], "median_ms": t["median_ms"], "timing": t["timing"],
+          "dtype": dtype, "tflops": flops / (t["min_ms"] * 1e-3) / 1e12}
+
+
+def compute_dtype(case: Case) -> str:
+  """The dtype of a compute case's matmuls (`Case.compute_dtype`, else the
+  largest floating leaf of its consts, else of its carry)."""
+  if case.compute_dtype is not None:
+    return jnp.dtype(case.compute_dtype).name
+  carry, consts = jax.eval_shape(case.inputs, jax.random.key(0))
+  for tree in (consts, carry):
+    floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if floats:
+      return max(floats, key=lambda x: math.prod(x.shape)).dtype.name
+  raise ValueError(f"case {case.key}: no floating input; set Case.compute_dtype.")
+
+
+def _case_ceiling(case: Case, env: Environment, s: Settings) -> dict:
+  """The measured ceiling a case's rows are compared with (see the module doc)."""
+  if case.metric != "compute":
+    return _ceiling("copy", lambda: _ceiling_copy(env, s), env, s)
+  dtype = compute_dtype(case)
+  return _ceiling(f"matmul-{dtype}", lambda: _ceiling_matmul(env, s, dtype), env, s)
+
+
+def ceiling_label(ceiling: dict) -> str:
+  """``copy 24.1 GB/s`` or ``float32 matmul 0.12 TFLOP/s``."""
+  if "gbps" in ceiling:
+    return f"copy {ceiling['gbps']:.1f} GB/s"
+  return f"{ceiling['dtype']} matmul {ceiling['tflops']:.3g} TFLOP/s"
 
 
 # ---------------------------------------------------------------------------
@@ -900,7 +951,7 @@ def format_table(records: Sequence[dict]) -> str:
   """A Markdown table of records, grouped by case in record order."""
   unit = lambda r: "TFLOP/s" if r.get("metric") == "compute" else "GB/s"
   header = (
-      "| case | impl | kernel | median ms | min-max ms | wall ms | speed | % peak | % copy "
+      "| case | impl | kernel | median ms | min-max ms | wall ms | speed | % peak | % ceiling "
       "| vs optax | compile s | footprint MiB |"
   )
   lines = [header, "| " + " | ".join(["---"] * (header.count("|") - 1)) + " |"]
@@ -910,7 +961,7 @@ def format_table(records: Sequence[dict]) -> str:
       continue
     mem = r.get("memory") or {}
     lines.append(
-        "| {case} | {impl} | {kernel} | {med} | {rng} | {wall} | {speed} | {peak} | {copy} | {ratio} "
+        "| {case} | {impl} | {kernel} | {med} | {rng} | {wall} | {speed} | {peak} | {ceil} | {ratio} "
         "| {comp} | {mem} |".format(
             case=r["case"], impl=r["impl"], kernel=r["kernel"],
             med=_fmt(r["median_ms"], ".4g"),
@@ -918,7 +969,7 @@ def format_table(records: Sequence[dict]) -> str:
             wall=_fmt(r.get("wall_median_ms"), ".4g"),
             speed="-" if r.get("achieved") is None else f"{r['achieved']:.4g} {unit(r)}",
             peak=_fmt(r.get("peak_pct"), ".1f"),
-            copy=_fmt(r.get("copy_pct"), ".1f"),
+            ceil=_fmt(r.get("ceiling_pct"), ".1f"),
             ratio="-" if r.get("vs_baseline") is None else f"{r['vs_baseline']:.2f}x",
             comp=_fmt(r.get("compile_s"), ".2f"),
             mem=_fmt(mem.get("footprint") and mem["footprint"] / 2**20, ".1f"),
@@ -935,16 +986,24 @@ def _legend(records: Sequence[dict]) -> str:
       "wall": "wall = wall clock of one blocking call",
       "wall-loop": "wall-loop = wall clock of a jitted loop of steps, per step",
   }
-  ceilings = {
-      f"{c['gbps']:.1f} GB/s" if "gbps" in c else f"{c['tflops']:.1f} TFLOP/s"
-      for r in records if (c := r.get("copy_ceiling"))
-  }
+  users: dict[str, list[str]] = {}
+  for r in records:
+    if (c := r.get("ceiling")) and r.get("ceiling_pct") is not None:
+      families = users.setdefault(ceiling_label(c), [])
+      if f"{r['family']}/*" not in families:
+        families.append(f"{r['family']}/*")
+  ceilings = "; ".join(f"{label} for {', '.join(f)}" for label, f in users.items()) or "-"
   return (
       f"median/min-max ms: {'; '.join(methods[t] for t in timings) or '-'}. "
       "wall ms: median wall clock. speed: the case's floor (bytes or flops of the fused "
       "kernel's cost estimate) / median, so the rows of a case compare directly. % peak: of the "
-      "datasheet; % copy: of the ceiling measured in this run "
-      f"({', '.join(sorted(ceilings)) or '-'}). vs optax: the jitted Optax step's median / this "
+      "datasheet (memory bandwidth for GB/s rows; dense bf16 matmul for bf16 TFLOP/s rows, left "
+      "empty for other dtypes). % ceiling: of the ceiling measured in this run for the row's unit "
+      "and dtype: GB/s rows against an in-place copy stream far larger than the caches, TFLOP/s "
+      "rows against a dense square matmul in the case's compute dtype; "
+      f"each ceiling is its best sample ({ceilings}). Either ceiling is a simple kernel, not a bound: a step can pass 100% "
+      "where its working set stays in cache (small leaves and matrices on a CPU). "
+      "vs optax: the jitted Optax step's median / this "
       "median, > 1 is faster (where Optax has no such optimizer, the case's named baseline). "
       "footprint: argument + output - aliased + temp bytes of the "
       "compiled step (memory_analysis)."
@@ -1011,7 +1070,7 @@ def run(
   done = {
       r["key"]: r for r in load_records(out_path)
       if resume and r.get("key") in keys and not r.get("error")
-      and r.get("device_kind") == env.device_kind
+      and r.get("device_kind") == env.device_kind and r.get("schema") == SCHEMA
   }
   todo = [c for c in configs if c[-1] not in done]
   _progress(banner(env, kernel_impls))
@@ -1020,13 +1079,13 @@ def run(
       f"{len(todo)} to measure"
   )
 
-  ceilings: dict[str, Any] = {}
-  if todo:
-    ceilings["copy"] = _ceiling(_ceiling_copy, env, settings)
-    _progress(f"copy ceiling: {ceilings['copy']['gbps']:.1f} GB/s ({ceilings['copy']['timing']})")
-    if any(c[0].metric == "compute" for c in todo):
-      ceilings["matmul"] = _ceiling(_ceiling_matmul, env, settings)
-      _progress(f"bf16 matmul ceiling: {ceilings['matmul']['tflops']:.1f} TFLOP/s")
+  ceilings: dict[str, dict] = {}
+  for case, *_ in todo:
+    if case.key not in ceilings:
+      c = _case_ceiling(case, env, settings)
+      if c["name"] not in {x["name"] for x in ceilings.values()}:
+        _progress(f"ceiling: {ceiling_label(c)} ({c['timing']})")
+      ceilings[case.key] = c
 
   base = _baselines(done.values())
   for i, (case, impl, k, kernel, key) in enumerate(todo, 1):
@@ -1049,16 +1108,19 @@ def run(
       record.update(timing)
       interpreted = kernel == "interpret"
       speed = None if interpreted else _speed(case, record["median_ms"])
-      ceiling = ceilings.get("matmul" if case.metric == "compute" else "copy")
+      ceiling = ceilings[case.key]
+      compute = case.metric == "compute"
       peak = None if env.peaks is None else (
-          env.peaks.bf16_tflops if case.metric == "compute" else env.peaks.gbps
+          (env.peaks.bf16_tflops if ceiling["dtype"] == "bfloat16" else None)
+          if compute else env.peaks.gbps
       )
       record.update(
           achieved=speed,
+          compute_dtype=ceiling.get("dtype"),
           peak_pct=None if speed is None or peak is None else 100 * speed / peak,
-          copy_ceiling=ceiling,
-          copy_pct=None if speed is None or not ceiling else 100 * speed / (
-              ceiling["tflops"] if case.metric == "compute" else ceiling["gbps"]
+          ceiling=ceiling,
+          ceiling_pct=None if speed is None else 100 * speed / (
+              ceiling["tflops"] if compute else ceiling["gbps"]
           ),
           note="Pallas interpreter: not a kernel speed" if interpreted else None,
       )

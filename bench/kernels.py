@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from bench import harness
 
 # One entry per optimizer family: the module bench/cases_<name>.py.
-FAMILIES: tuple[str, ...] = ("adamw", "lion", "adafactor")
+FAMILIES: tuple[str, ...] = ("adamw", "lion", "adafactor", "muon", "kron")
 
 
 def cases(tier: str, families: Sequence[str] = FAMILIES) -> list[harness.Case]:
@@ -37,7 +37,8 @@ def main(argv: Sequence[str] | None = None, default_tier: str = "full") -> list[
       argv, cases, script="kernels", default_tier=default_tier,
       prog="python -m bench" if default_tier == "quick" else "python -m bench.kernels",
       description="pallasopt optimizer steps against jitted Optax: time, GB/s or TFLOP/s, "
-      "% of the datasheet peak and of a measured copy ceiling, peak memory.",
+      "% of the datasheet peak and of a measured ceiling (copy stream, or a matmul in the case's "
+      "dtype), peak memory.",
   )
 
 

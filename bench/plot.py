@@ -7,8 +7,9 @@ One panel per optimizer family. The y-axis is the % of the datasheet peak
 when the device has one, else GB/s (TFLOP/s for compute-bound families). Each
 implementation (``impl[kernel]``) has its own colour; single-leaf sweeps are
 lines over the parameter count, one line style and marker per dtype series; realistic
-trees are single markers at their parameter count. The dashed line is the
-copy ceiling measured in the same run. Interpreted rows are never drawn.
+trees are single markers at their parameter count. The grey lines are the
+ceilings measured in the same run (copy stream; matmul per compute dtype).
+Interpreted rows are never drawn.
 Needs matplotlib (the ``bench`` extra).
 """
 
@@ -76,14 +77,14 @@ def plot(records: Sequence[dict], out: str | pathlib.Path, title: str | None = N
       xs, ys = zip(*points)
       ax.scatter(xs, ys, color=colour[name], marker=_MARKERS[tree_names.index(sub) % len(_MARKERS)],
                  s=60, edgecolors="black", linewidths=0.5, label=f"{name} {sub}", zorder=3)
-    ceiling = next((r.get("copy_ceiling") for r in mine if r.get("copy_ceiling")), None)
-    if ceiling:
+    ceilings = {c["name"]: c for r in mine if (c := r.get("ceiling"))}
+    for i, ceiling in enumerate(ceilings.values()):
       value = ceiling.get("tflops" if metric == "compute" else "gbps")
       peak = (mine[0].get("datasheet") or {}).get("bf16_tflops" if metric == "compute" else "gbps")
       if use_peak and peak:
         value = 100 * value / peak
-      kind = "bf16 matmul" if metric == "compute" else "copy"
-      ax.axhline(value, color="grey", linestyle="--", linewidth=1, label=f"measured {kind} ceiling")
+      ax.axhline(value, color="grey", linestyle=_STYLES[i % len(_STYLES)], linewidth=1,
+                 label=f"measured {harness.ceiling_label(ceiling)}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("parameters")
     ax.set_ylabel(f"% of datasheet peak ({unit})" if use_peak else f"achieved {unit} (floor bytes / time)")

@@ -51,7 +51,8 @@ def test_ci_run_writes_one_record_per_configuration(ci_results):
     assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
     assert r["samples"] >= 3 and r["compile_s"] > 0 and r["finite"]
     assert r["achieved"] == pytest.approx(r["model_bytes"] / (r["median_ms"] * 1e-3) / 1e9)
-    assert r["copy_ceiling"]["gbps"] > 0 and r["copy_pct"] > 0
+    assert r["ceiling"]["name"] == "copy" and r["ceiling"]["gbps"] > 0
+    assert r["ceiling_pct"] == pytest.approx(100 * r["achieved"] / r["ceiling"]["gbps"])
     assert r["peak_pct"] is None  # no datasheet for a CPU
     assert r["memory"]["footprint"] > 0
   optax_row = next(r for r in lines if r["impl"] == "optax")
@@ -114,6 +115,53 @@ def test_a_failing_configuration_is_recorded_and_retried(tmp_path, capsys):
   assert "ERROR: RuntimeError: boom" in capsys.readouterr().out
   harness.run([case], settings, path)  # errors are measured again, not skipped
   assert len(harness.load_records(path)) == 2
+
+
+def _matmul_case(dtype, *, explicit: bool) -> harness.Case:
+  spec = jax.ShapeDtypeStruct((64, 64), dtype)
+
+  def inputs(key):
+    return harness.random_tree(key, spec), harness.random_tree(key, spec, stream=1)
+
+  step = lambda c, g: (c @ g).astype(c.dtype)
+  return harness.Case(
+      family="mm", workload="matrix", label=jnp.dtype(dtype).name, params=64 * 64, leaves=1,
+      inputs=inputs, impls=(harness.Impl("xla", lambda _: step, pallas=False),),
+      bytes=3 * 64 * 64 * jnp.dtype(dtype).itemsize, flops=2 * 64**3, metric="compute",
+      baseline="xla", compute_dtype=jnp.dtype(dtype).name if explicit else None,
+  )
+
+
+def test_compute_rows_are_divided_by_the_matmul_ceiling_of_their_own_dtype(tmp_path, capsys):
+  # An f32 case against a bf16 matmul ceiling (emulated, slow on a CPU) read 256%.
+  cases = [_matmul_case(jnp.float32, explicit=True), _matmul_case(jnp.bfloat16, explicit=False)]
+  records = harness.run(cases, harness.Settings.for_tier("ci", "cpu"), tmp_path / "mm.jsonl")
+  out = capsys.readouterr().out
+  by_dtype = {r["label"]: r for r in records}
+  assert set(by_dtype) == {"float32", "bfloat16"}
+  for dtype, r in by_dtype.items():
+    assert not r.get("error"), r
+    assert r["compute_dtype"] == r["ceiling"]["dtype"] == dtype
+    assert r["ceiling"]["name"] == f"matmul-{dtype}"
+    assert r["ceiling_pct"] == pytest.approx(100 * r["achieved"] / r["ceiling"]["tflops"])
+    assert f"{dtype} matmul" in out
+  assert by_dtype["float32"]["ceiling"]["tflops"] != by_dtype["bfloat16"]["ceiling"]["tflops"]
+  assert "% ceiling" in out and "% copy" not in out
+
+
+def test_compute_cases_name_the_dtype_their_matmuls_run_in():
+  for case in kernels.cases("ci", ("muon", "kron")):
+    assert case.metric == "compute" and case.compute_dtype == "float32", case.key
+  assert harness.compute_dtype(_matmul_case(jnp.bfloat16, explicit=False)) == "bfloat16"
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU host's quick tier")
+def test_quick_tier_on_a_cpu_runs_only_small_cases_of_every_family():
+  cases = kernels.cases("quick")
+  assert {c.family for c in cases} == set(kernels.FAMILIES)
+  for c in cases:
+    assert c.workload in ("leaf", "matrix", "stack") or c.workload.startswith("stack"), c.key
+    assert c.params <= 1 << 20, c.key
 
 
 def test_loop_runner_equals_sequential_steps():
