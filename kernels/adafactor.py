@@ -66,7 +66,10 @@ R, C and the partial sums of `_reduction` are a few percent more):
   f32 defaults, apply mode: 12 + 20 = 32 bytes per parameter.
 
 Every per-step number (learning rate, :math:`\hat\beta_t`, thresholds, the
-per-block scale) is kernel data, never a Python constant.
+per-block scale) is kernel data, never a Python constant. Math is f32 whatever
+the operand dtypes; each result is rounded once, to its own dtype. The
+reference takes :math:`x^{-1/2}` as Optax does (an XLA power), so on f32 it
+follows Optax's rounding; the kernels use one ``rsqrt`` per element instead.
 
 Stacked leaves and layouts
 --------------------------
@@ -91,6 +94,7 @@ factored over axes 0 and 2) runs the XLA reference for that leaf.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -248,11 +252,16 @@ def _finish(s: AdafactorScalars, u, p, m, *, mode: str, momentum: bool, decay: b
   return (p + u if mode == "apply" else u), m
 
 
-def _unfactored_u(s: AdafactorScalars, g, v):
+def _optax_inv_sqrt(x):
+  # Optax's own op (an XLA power); the kernels use one rsqrt instead.
+  return x ** -0.5
+
+
+def _unfactored_u(s: AdafactorScalars, g, v, inv_sqrt=jax.lax.rsqrt):
   """(g * grad_scale) / sqrt(V) and the new V, on f32 values."""
   g = g * s.grad_scale
   v = s.decay_rate * v + s.one_minus_decay_rate * (g * g + s.eps)
-  return g * jax.lax.rsqrt(v), v
+  return g * inv_sqrt(v), v
 
 
 def _factors(s: AdafactorScalars, row_mean, col_mean, v_row, v_col):
@@ -264,8 +273,8 @@ def _factors(s: AdafactorScalars, row_mean, col_mean, v_row, v_col):
   """
   v_row = s.decay_rate * v_row + s.one_minus_decay_rate * row_mean
   v_col = s.decay_rate * v_col + s.one_minus_decay_rate * col_mean
-  along_d1 = jax.lax.rsqrt(v_row / jnp.mean(v_row, axis=-1, keepdims=True))
-  return v_row, v_col, along_d1, jax.lax.rsqrt(v_col)
+  along_d1 = _optax_inv_sqrt(v_row / jnp.mean(v_row, axis=-1, keepdims=True))
+  return v_row, v_col, along_d1, _optax_inv_sqrt(v_col)
 
 
 def adafactor_reference(
@@ -318,7 +327,7 @@ def adafactor_reference(
     state = (jnp.moveaxis(new_row, -1, row_axis).astype(v_row.dtype),
              new_col.astype(v_col.dtype), jnp.zeros_like(v))
   else:
-    u, new_v = _unfactored_u(s, f32(g), f32(v))
+    u, new_v = _unfactored_u(s, f32(g), f32(v), _optax_inv_sqrt)
     moment = v
     state = (jnp.zeros_like(v_row), jnp.zeros_like(v_col), new_v.astype(v.dtype))
   blocks = tuple(range(min(stacked_axes, g.ndim), g.ndim))
@@ -335,9 +344,107 @@ def adafactor_reference(
   return (first, *state, None if m is None else new_m.astype(m.dtype))
 
 
-def _per_block(k, plan: red.BlockPlan, blocks: int):
-  """Per-block values ``[blocks]`` repeated for each of the view's P matrices."""
-  return jnp.repeat(k, plan.shape[0] // blocks)
+class _Direction(NamedTuple):
+  """What the update pass needs from the passes before it.
+
+  ``fn(scalars, *blocks) -> (u, extras)`` computes the unscaled update from
+  the first ``len(operands)`` operands of the update pass; ``extras`` are
+  further outputs (the new V) with ``extra_aliases`` ``{operand: output}``.
+  ``u_sq`` and ``p_sq`` are per-matrix sums of u² and p² (None when not
+  needed); ``state`` is the new ``(v_row, v_col, v)`` when the update pass
+  does not produce it.
+  """
+
+  plan: red.BlockPlan
+  operands: list
+  fn: Callable
+  extra_dtypes: list
+  extra_aliases: dict
+  u_sq: jax.Array | None
+  p_sq: jax.Array | None
+  state: tuple | None
+
+
+def _full(plan: red.BlockPlan, x):
+  return (red.FULL, x.reshape(plan.shape))
+
+
+def _factored_direction(s, p, g, v_row, v_col, v, view, dims, *, clipping, parameter_scale,
+                        call) -> _Direction:
+  """Statistics pass (and RMS pass with clipping) of a factored leaf."""
+  plan = red.plan_matrix(view, call["backend"])
+  _, rows, cols = view
+  d1, d0 = dims
+  d0_is_cols = d0 > d1
+
+  def stats_body(values, g, *p):
+    t = AdafactorScalars(*values)
+    g = g * t.grad_scale
+    grad_sq = g * g + t.eps
+    return (grad_sq, grad_sq) + ((p[0] * p[0],) if p else ())
+
+  row_sum, col_sum, *p_sq = red.reduce_call(
+      stats_body, [_full(plan, g)] + ([_full(plan, p)] if parameter_scale else []), tuple(s),
+      ["rows", "cols"] + ["total"] * parameter_scale, plan,
+      name="adafactor_stats", flops_per_element=_STATS_FLOPS, **call,
+  )
+  # Means of G over the C axis (one per row) and over the R axis (per column).
+  means = (row_sum / cols, col_sum / rows)
+  over_d0, over_d1 = means if d0_is_cols else means[::-1]
+  matrices = plan.shape[0]
+  new_row, new_col, along_d1, along_d0 = _factors(
+      s, over_d0, over_d1, v_row.reshape(matrices, -1).astype(jnp.float32),
+      v_col.reshape(matrices, -1).astype(jnp.float32),
+  )
+  row_factor, col_factor = (along_d1, along_d0) if d0_is_cols else (along_d0, along_d1)
+  operands = [_full(plan, g), (red.ROWS, row_factor), (red.COLS, col_factor)]
+
+  def fn(t, g, row_factor, col_factor):
+    return g * t.grad_scale * row_factor * col_factor, ()
+
+  u_sq = None
+  if clipping:
+    (u_sq,) = red.reduce_call(
+        lambda values, *blocks: (jnp.square(fn(AdafactorScalars(*values), *blocks)[0]),),
+        operands, tuple(s), ["total"], plan,
+        name="adafactor_rms", flops_per_element=_RMS_FLOPS, **call,
+    )
+  state = (new_row.reshape(v_row.shape).astype(v_row.dtype),
+           new_col.reshape(v_col.shape).astype(v_col.dtype), jnp.zeros_like(v))
+  return _Direction(plan, operands, fn, [], {}, u_sq, p_sq[0] if p_sq else None, state)
+
+
+def _unfactored_direction(s, p, g, v, blocks, *, clipping, parameter_scale,
+                          call) -> _Direction:
+  """RMS pass of an unfactored leaf (with clipping or parameter scale)."""
+  plan = red.plan_flat(blocks, g.size // blocks, call["backend"])
+  operands = [_full(plan, g), _full(plan, v)]
+
+  def fn(t, g, v):
+    u, v = _unfactored_u(t, g, v)
+    return u, (v,)
+
+  with_p = [_full(plan, p)] if parameter_scale else []
+  u_sq = p_sq = None
+  if clipping:
+
+    def rms_body(values, g, v, *p):
+      u, _ = _unfactored_u(AdafactorScalars(*values), g, v)
+      return (u * u,) + ((p[0] * p[0],) if p else ())
+
+    u_sq, *p_sq = red.reduce_call(
+        rms_body, operands + with_p, tuple(s), ["total"] * (1 + parameter_scale), plan,
+        name="adafactor_rms", flops_per_element=_RMS_FLOPS, transcendentals_per_element=1,
+        **call,
+    )
+    p_sq = p_sq[0] if p_sq else None
+  elif parameter_scale:
+    (p_sq,) = red.reduce_call(
+        lambda values, p: (p * p,), with_p, tuple(s), ["total"], plan,
+        name="adafactor_param_rms", flops_per_element=2, **call,
+    )
+  # The new V is output 1, written over v (operand 1).
+  return _Direction(plan, operands, fn, [v.dtype], {1: 1}, u_sq, p_sq, None)
 
 
 def adafactor_kernel(
@@ -366,129 +473,52 @@ def adafactor_kernel(
   if g.size == 0 or (factored_dims is not None and view is None):
     return adafactor_reference(p, g, v_row, v_col, v, m, scalars, **config)
 
-  shape = g.shape
-  blocks = math.prod(shape[: min(stacked_axes, g.ndim)])
-  block_size = g.size // blocks
-  call = dict(backend=backend, interpret=interpret)
   s = AdafactorScalars(*(jnp.asarray(x, jnp.float32) for x in scalars))
-  with_p = mode == "apply" or decay
+  call = dict(backend=backend, interpret=interpret)
+  blocks = math.prod(g.shape[: min(stacked_axes, g.ndim)])
+  block_size = g.size // blocks
   if factored_dims is None:
-    plan = red.plan_flat(blocks, block_size, backend)
+    d = _unfactored_direction(s, p, g, v, blocks, clipping=clipping,
+                              parameter_scale=parameter_scale, call=call)
   else:
-    plan = red.plan_matrix(view, backend)
-  full = lambda x: (red.FULL, x.reshape(plan.shape))
-  maybe_p = [full(p)] if parameter_scale else []
+    d = _factored_direction(s, p, g, v_row, v_col, v, view, factored_dims, clipping=clipping,
+                            parameter_scale=parameter_scale, call=call)
 
-  if factored_dims is not None:
-    _, rows, cols = view
-    d1, d0 = factored_dims
-    d0_is_cols = d0 > d1
-
-    def stats_body(values, g, *p):
-      t = AdafactorScalars(*values)
-      g = g * t.grad_scale
-      grad_sq = g * g + t.eps
-      return (grad_sq, grad_sq) + ((p[0] * p[0],) if p else ())
-
-    row_sum, col_sum, *p_sq = red.reduce_call(
-        stats_body, [full(g)] + maybe_p, tuple(s),
-        ["rows", "cols"] + ["total"] * parameter_scale, plan,
-        name="adafactor_stats", flops_per_element=_STATS_FLOPS, **call,
-    )
-    # Means of G over the C axis (per row) and over the R axis (per column).
-    means = (row_sum / cols, col_sum / rows)
-    over_d0, over_d1 = means[::-1] if not d0_is_cols else means
-    p_rows = plan.shape[0]
-    new_row, new_col, along_d1, along_d0 = _factors(
-        s, over_d0, over_d1,
-        v_row.reshape(p_rows, -1).astype(jnp.float32),
-        v_col.reshape(p_rows, -1).astype(jnp.float32),
-    )
-    row_factor, col_factor = (along_d1, along_d0) if d0_is_cols else (along_d0, along_d1)
-    factors = [(red.ROWS, row_factor), (red.COLS, col_factor)]
-    u_sq = []
-    if clipping:
-
-      def rms_body(values, g, row_factor, col_factor):
-        u = g * AdafactorScalars(*values).grad_scale * row_factor * col_factor
-        return (u * u,)
-
-      u_sq = red.reduce_call(
-          rms_body, [full(g)] + factors, tuple(s), ["total"], plan,
-          name="adafactor_rms", flops_per_element=_RMS_FLOPS, **call,
-      )
-    state = (new_row.reshape(v_row.shape).astype(v_row.dtype),
-             new_col.reshape(v_col.shape).astype(v_col.dtype), jnp.zeros_like(v))
-    moment, operands = v_row, [full(g)] + factors
-    first_aliases = {}
-
-    def direction(t, g, row_factor, col_factor):
-      return g * t.grad_scale * row_factor * col_factor, ()
-  else:
-    u_sq, p_sq = [], []
-    if clipping:
-
-      def rms_body(values, g, v, *p):
-        u, _ = _unfactored_u(AdafactorScalars(*values), g, v)
-        return (u * u,) + ((p[0] * p[0],) if p else ())
-
-      u_sq, *p_sq = red.reduce_call(
-          rms_body, [full(g), full(v)] + maybe_p, tuple(s),
-          ["total"] * (1 + parameter_scale), plan,
-          name="adafactor_rms", flops_per_element=_RMS_FLOPS,
-          transcendentals_per_element=1, **call,
-      )
-      u_sq = [u_sq]
-    elif parameter_scale:
-      p_sq = red.reduce_call(
-          lambda values, p: (p * p,), maybe_p, tuple(s), ["total"], plan,
-          name="adafactor_param_rms", flops_per_element=2, **call,
-      )
-    moment, operands = v, [full(g), full(v)]
-    # The new V is output 1, in v's place.
-    first_aliases = {1: 1}
-
-    def direction(t, g, v):
-      u, v = _unfactored_u(t, g, v)
-      return u, (v,)
-
-  mean = lambda sums: sums.reshape(blocks, -1).sum(axis=1) / block_size
-  k = _block_scale(s, *(mean(x[0]) if x else None for x in (u_sq, p_sq)))
-  operands.append((red.MATRIX, _per_block(jnp.broadcast_to(k, (blocks,)), plan, blocks)))
-  num_direction = len(operands) - 1
-  if with_p:
-    operands.append(full(p))
-  if momentum:
-    operands.append(full(m))
+  # Per-block lr / clip denominator * parameter scale, one value per matrix.
+  mean = lambda sums: None if sums is None else sums.reshape(blocks, -1).sum(1) / block_size
+  scale = jnp.broadcast_to(_block_scale(s, mean(d.u_sq), mean(d.p_sq)), (blocks,))
+  matrices = d.plan.shape[0]
+  with_p = mode == "apply" or decay
+  operands = d.operands + [(red.MATRIX, jnp.repeat(scale, matrices // blocks))]
+  operands += ([_full(d.plan, p)] if with_p else []) + ([_full(d.plan, m)] if momentum else [])
+  num_direction = len(d.operands)
 
   def update_body(values, *blocks_in):
     t = AdafactorScalars(*values)
-    u, extra = direction(t, *blocks_in[:num_direction])
-    u = u * blocks_in[num_direction]
+    u, extras = d.fn(t, *blocks_in[:num_direction])
     rest = list(blocks_in[num_direction + 1:])
     p_block = rest.pop(0) if with_p else None
     m_block = rest.pop(0) if momentum else None
-    first, new_m = _finish(t, u, p_block, m_block, mode=mode, momentum=momentum, decay=decay)
-    return (first, *extra) + ((new_m,) if momentum else ())
+    first, new_m = _finish(t, u * blocks_in[num_direction], p_block, m_block,
+                           mode=mode, momentum=momentum, decay=decay)
+    return (first, *extras) + ((new_m,) if momentum else ())
 
+  moment = v if factored_dims is None else v_row
   first_dtype = p.dtype if mode == "apply" else _updates_dtype(p, g, moment, m)
-  out_dtypes = [first_dtype] + ([v.dtype] if factored_dims is None else [])
-  aliases = dict(first_aliases)
+  out_dtypes = [first_dtype, *d.extra_dtypes] + ([m.dtype] if momentum else [])
+  aliases = dict(d.extra_aliases)
   if mode == "apply":
     aliases[num_direction + 1] = 0
   if momentum:
-    aliases[len(operands) - 1] = len(out_dtypes)
-    out_dtypes.append(m.dtype)
+    aliases[len(operands) - 1] = len(out_dtypes) - 1
   outs = red.broadcast_call(
-      update_body, operands, tuple(s), out_dtypes, plan,
+      update_body, operands, tuple(s), out_dtypes, d.plan,
       name=f"adafactor_{mode}", aliases=aliases, flops_per_element=_UPDATE_FLOPS,
       transcendentals_per_element=int(factored_dims is None), **call,
   )
-  outs = [o.reshape(shape) for o in outs]
-  first = outs.pop(0)
-  if factored_dims is None:
-    state = (jnp.zeros_like(v_row), jnp.zeros_like(v_col), outs.pop(0))
-  return (first, *state, outs.pop(0) if momentum else None)
+  first, *rest = (o.reshape(g.shape) for o in outs)
+  state = d.state or (jnp.zeros_like(v_row), jnp.zeros_like(v_col), rest[0])
+  return (first, *state, rest[-1] if momentum else None)
 
 
 def pass_bytes(

@@ -1,4 +1,4 @@
-r"""Adafactor as a drop-in for `optax.adafactor`, backed by the fused Adafactor kernels."""
+"""Adafactor as a drop-in for `optax.adafactor`, backed by the fused Adafactor kernels."""
 
 from __future__ import annotations
 
@@ -235,7 +235,8 @@ def adafactor(
         grad_scale=1.0 if grad_scale is None else grad_scale,
     )
     leaves = jax.tree.leaves(params)
-    decays = [False] * len(leaves) if never_decays else v.broadcast_mask(_OWNER, weight_decay_mask, grads)
+    decays = ([False] * len(leaves) if never_decays
+              else v.broadcast_mask(_OWNER, weight_decay_mask, grads))
     ms = (jax.tree.leaves(state[position["momentum"]].ema) if "momentum" in links
           else [None] * len(leaves))
     kernel = (adafactor_kernels.adafactor_apply if mode == "apply"
