@@ -15,6 +15,7 @@ from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
+    fused_transformation,
     schedule_count,
 )
 
@@ -208,7 +209,7 @@ def adafactor(
     )
     return (factored_state, *(link.init(params) for link in links.values()))
 
-  def step(grads, state, params, mode, grad_scale=None, learning_rate_now=None):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now):
     if params is None:
       raise ValueError(f"{_OWNER}: params are required (Adafactor's statistics use their shapes).")
     v.check_same_tree(_OWNER, "grads", grads, "params", params)
@@ -265,11 +266,4 @@ def adafactor(
       new_state[i] = new_state[i]._replace(ema=new_m)
     return first, tuple(new_state)
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    return step(updates, state, params, "updates")
-
-  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
-    return step(grads, state, params, "apply", grad_scale, learning_rate)
-
-  return FusedGradientTransformation(init_fn, update_fn, apply_fn)
+  return fused_transformation(init_fn, step)
