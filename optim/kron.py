@@ -39,7 +39,10 @@ factor for them, and each layer gets its own factors, damping mean and RMS
 clip. ``scanned_layers`` (psgd_jax's per-leaf bools) marks one such axis per
 leaf. psgd_jax takes the damping mean and the RMS clip over a scanned leaf as
 a whole; here they are per layer, which is what lets a pipeline stage update
-its layers without the others. Unstacked leaves are exactly psgd_jax's.
+its layers without the others. The random probe, though, is drawn over the
+whole leaf from one key, so updating a slice of a stacked leaf (a pipeline
+stage's) draws other probe values than updating the whole leaf: the two runs
+are each reproducible but not equal. Unstacked leaves are exactly psgd_jax's.
 ``lax_map_scanned_layers`` / ``lax_map_batch_size`` run the XLA path's
 per-layer math with ``lax.map``; the kernels always walk layers with a grid.
 

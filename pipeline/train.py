@@ -21,7 +21,11 @@ on their stage dims, scalars replicated). Stacked leaves are
 ``[R, S, (lps), ...]``, so the optimizer must be built with
 ``stacked_axes=schedule.stacked_axes``: Adafactor, Muon and Kron then treat
 those dims as batch dims and update each layer's matrix as the unpipelined
-model would. Example (8 fake CPU devices)::
+model would. One exception: Kron draws the random probe of its preconditioner
+update from one key over the leaf it is given, so a stage's probe differs from
+the one the whole stacked leaf would get; a pipelined Kron step therefore equals
+each stage updating its own slice alone (with the global clip), not the
+unpipelined Kron step. Example (8 fake CPU devices)::
 
   schedule = CircularSchedule(num_stages=4, num_microbatches=8, num_repeats=2)
   mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
