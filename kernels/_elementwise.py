@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallasopt.kernels import _compat
 from pallasopt.kernels._compat import pl, pltpu, pltriton
@@ -85,15 +86,18 @@ def _scalar_vector(scalars: Sequence[jax.typing.ArrayLike], backend: str) -> jax
 
 
 def scalar_input(
-    scalars: Sequence[jax.typing.ArrayLike], backend: str
+    scalars: Sequence[jax.typing.ArrayLike] | jax.Array, backend: str
 ) -> tuple[jax.Array, pl.BlockSpec]:
   """Per-step scalars as one kernel input, with its spec, for a grid of any rank.
 
   TPU: an f32 vector in SMEM. Triton: an f32 vector padded to a power-of-two
-  length, read as one full block. The kernel reads scalar ``k`` as ``ref[k]``.
-  Other kernel builders (e.g. `_reduction`) use it to pass their scalars the
-  same way `elementwise_call` does.
+  length, read as one full block. The kernel reads scalar ``k`` as ``ref[k]``;
+  an array (e.g. a table of coefficients) is flattened in row-major order.
+  Every kernel builder (`_reduction`, `_matrix` users) passes its scalars this
+  way, as `elementwise_call` does.
   """
+  if isinstance(scalars, (jax.Array, np.ndarray)):
+    scalars = list(jnp.ravel(jnp.asarray(scalars, jnp.float32)))
   vec = _scalar_vector(scalars, backend)
   if backend == "tpu":
     return vec, pl.BlockSpec(memory_space=pltpu.SMEM)

@@ -15,8 +15,8 @@ what such kernels share, so each family writes only its math:
   Whether zero padding is exact depends on the math; each kernel says why.
 * `matrix_spec`: the `pl.BlockSpec` of one ``(rows, cols)`` block of a stack,
   with the batch axis squeezed.
-* `scalar_operand`: per-call scalars (coefficient tables, step sizes) as a
-  kernel *input*: SMEM on TPU, a power-of-two f32 vector on Triton.
+* Per-call scalars (coefficient tables, step sizes) are kernel *inputs*, built
+  by `_elementwise.scalar_input` as for every other kernel.
 * `compiler_params`: the backend's compiler parameters, always explicit.
 """
 
@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from pallasopt.kernels import _compat
-from pallasopt.kernels._compat import pl, pltpu
-from pallasopt.kernels._elementwise import _scalar_vector, _triton_scalar_width
+from pallasopt.kernels._compat import pl
+from pallasopt.kernels._tiling import pow2_at_least
 
 __all__ = [
     "BACKENDS",
@@ -42,7 +42,6 @@ __all__ = [
     "pad_stack",
     "unpad_stack",
     "matrix_spec",
-    "scalar_operand",
     "compiler_params",
 ]
 
@@ -54,10 +53,6 @@ _TPU_ALIGN = 128
 
 def round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
-
-
-def pow2_at_least(x: int) -> int:
-  return 1 << max(0, (x - 1).bit_length())
 
 
 def _check_backend(backend: str) -> None:
@@ -117,22 +112,6 @@ def matrix_spec(
   if index_map is None:
     index_map = lambda b: (b, 0, 0)
   return pl.BlockSpec((None, *block), index_map)
-
-
-def scalar_operand(
-    values: Sequence[jax.typing.ArrayLike] | jax.Array, backend: str, grid_rank: int
-) -> tuple[jax.Array, pl.BlockSpec]:
-  """Scalars as one kernel input and its BlockSpec, for a grid of ``grid_rank``.
-
-  Read them in the kernel as ``ref[k]``. Values change without recompiling.
-  """
-  _check_backend(backend)
-  values = jnp.ravel(jnp.asarray(values, jnp.float32))
-  vec = _scalar_vector(list(values), backend)
-  if backend == "tpu":
-    return vec, pl.BlockSpec(memory_space=pltpu.SMEM)
-  width = _triton_scalar_width(values.shape[0])
-  return vec, pl.BlockSpec((width,), lambda *_: (0,))
 
 
 def compiler_params(

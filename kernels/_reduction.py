@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from pallasopt.kernels import _compat
 from pallasopt.kernels._compat import pl, pltriton
 from pallasopt.kernels._elementwise import scalar_input
-from pallasopt.kernels._tiling import plan_tiles
+from pallasopt.kernels._tiling import plan_tiles, pow2_at_least
 
 __all__ = [
     "FULL",
@@ -113,10 +113,6 @@ def _nbytes(x: jax.Array) -> int:
   return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
-def _pow2_at_least(x: int) -> int:
-  return 1 << max(0, (x - 1).bit_length())
-
-
 def _pow2_at_most(x: int) -> int:
   return 1 << max(0, x.bit_length() - 1)
 
@@ -136,8 +132,8 @@ def plan_matrix(shape: tuple[int, int, int], backend: str) -> BlockPlan:
     max_rows = max(8, _pow2_at_most(_TPU_BLOCK_ELEMENTS // bc))
     br = r if r <= max_rows else max_rows
   elif backend == "triton":
-    bc = min(_pow2_at_least(c), _TRITON_MAX_COLS)
-    br = min(_pow2_at_least(r), _TRITON_BLOCK_ELEMENTS // bc)
+    bc = min(pow2_at_least(c), _TRITON_MAX_COLS)
+    br = min(pow2_at_least(r), _TRITON_BLOCK_ELEMENTS // bc)
   else:
     raise ValueError(f"backend must be 'tpu' or 'triton'; got {backend!r}.")
   return BlockPlan((p, r, c), (br, bc))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["LANES", "TilePlan", "plan_tiles"]
+__all__ = ["LANES", "TilePlan", "plan_tiles", "pow2_at_least"]
 
 LANES = 128
 # Rows of a block: a multiple of 16 so bf16 operands fill whole packed tiles.
@@ -57,7 +57,8 @@ class TilePlan:
     return any(d % b for d, b in zip(self.view_shape, self.block_shape))
 
 
-def _pow2_at_least(x: int) -> int:
+def pow2_at_least(x: int) -> int:
+  """The smallest power of two >= ``x`` (1 for ``x <= 1``)."""
   return 1 << max(0, (x - 1).bit_length())
 
 
@@ -74,7 +75,7 @@ def plan_tiles(size: int, backend: str) -> TilePlan:
     raise ValueError(f"cannot tile an empty leaf (size={size}).")
   if size % LANES == 0:
     rows = size // LANES
-    block_rows = min(_MAX_ROWS[backend], max(_MIN_ROWS, _pow2_at_least(rows)))
+    block_rows = min(_MAX_ROWS[backend], max(_MIN_ROWS, pow2_at_least(rows)))
     return TilePlan(size, (rows, LANES), (block_rows, LANES))
-  block_lanes = min(_MAX_FLAT_LANES[backend], max(LANES, _pow2_at_least(size)))
+  block_lanes = min(_MAX_FLAT_LANES[backend], max(LANES, pow2_at_least(size)))
   return TilePlan(size, (1, size), (1, block_lanes))

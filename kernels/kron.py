@@ -71,6 +71,7 @@ import jax.numpy as jnp
 from pallasopt.kernels import _matrix
 from pallasopt.kernels._compat import pl
 from pallasopt.kernels._dispatch import dispatch
+from pallasopt.kernels._elementwise import scalar_input
 
 __all__ = [
     "RMS_CLIP",
@@ -563,7 +564,7 @@ def kron_precondition_kernel(
   if mode == "apply":
     aliases[1 + names.index("p")] = 0
 
-  scalar_vec, scalar_spec = _matrix.scalar_operand(tuple(scalars), backend, grid_rank=1)
+  scalar_vec, scalar_spec = scalar_input(tuple(scalars), backend)
   in_specs = [scalar_spec] + [_matrix.matrix_spec(operands[k].shape[1:]) for k in names]
   flops = 12 * view.m * view.n
   flops += 4 * view.m * view.m * view.n if view.left == "dense" else 0
@@ -668,7 +669,7 @@ def kron_factor_update_kernel(
   cols = _matrix.round_up(cols, chunk)
   q_block = (rows, rows) if dense else (rows, 1)
   q_in = _matrix.pad_stack(q if dense else q[:, :, None], q_block)
-  lr_vec, lr_spec = _matrix.scalar_operand([precond_lr], backend, grid_rank=1)
+  lr_vec, lr_spec = scalar_input([precond_lr], backend)
   flops = (4 * d * d * r + 2 * d ** 3 + 20 * d * d) if dense else 8 * d * r
   itemsize = lambda a: jnp.dtype(a.dtype).itemsize
   out = pl.pallas_call(

@@ -55,8 +55,6 @@ makes it :math:`15 m^2 n + 5 m^3`.
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +63,7 @@ import numpy as np
 from pallasopt.kernels import _matrix
 from pallasopt.kernels._compat import pl, pltpu
 from pallasopt.kernels._dispatch import dispatch
+from pallasopt.kernels._elementwise import scalar_input
 
 __all__ = [
     "PRESETS",
@@ -349,7 +348,7 @@ def _resident(stack, coeffs, *, preconditioning, eps, dtype, out_dtype, backend,
   steps = coeffs.shape[0]
   dims = _matrix.padded_dims(m, n, backend)
   scalars = jnp.concatenate([jnp.reshape(jnp.asarray(eps, jnp.float32), (1,)), coeffs.ravel()])
-  scalar_vec, scalar_spec = _matrix.scalar_operand(scalars, backend, grid_rank=1)
+  scalar_vec, scalar_spec = scalar_input(scalars, backend)
   params = _matrix.compiler_params(
       backend, ("parallel",), num_warps=_TRITON_RESIDENT_WARPS, num_stages=1,
       vmem_limit_bytes=_resident_bytes(dims) + _TPU_VMEM_HEADROOM,
@@ -460,7 +459,7 @@ def _tiled_call(
   """One tiled matmul with a fused prologue/epilogue over a stack."""
   batch, rows, cols = out_shape.shape
   grid_ij = (batch, rows // tile, cols // tile)
-  scalar_vec, scalar_spec = _matrix.scalar_operand(scalars, backend, grid_rank=4)
+  scalar_vec, scalar_spec = scalar_input(scalars, backend)
   if backend == "tpu":
     def spec(kind):
       def index_map(b, i, j, k):

@@ -1,6 +1,5 @@
 """The shared row/column reduction and broadcasting kernels (`kernels._reduction`)."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

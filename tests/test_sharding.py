@@ -271,7 +271,6 @@ def test_state_specs_place_every_leaf(mesh, params, name):
 
 
 def test_state_specs_of_moments_and_factored_statistics():
-  mesh = make_mesh((2, 4))
   params = {"w": sds(8, 16), "sq": sds(8, 8, 4), "b": sds(16)}
   param_specs = {"w": P("a", "b"), "sq": P("a", "b"), "b": P("b")}
   adam = optimizer_state_specs(jax.eval_shape(optax.adamw(1.0).init, params), params, param_specs)
