@@ -19,8 +19,12 @@ state and step of psgd_jax 0.2.9 (Evan Walters), written from the algorithm
    (kernel a); ``kron`` then adds :math:`\lambda p` (``weight_decay``, on
    ``weight_decay_mask``) and scales by :math:`-\eta`.
 
-Reproducibility: the probe and the rebalancing draw come from
-``jax.random.fold_in(PRNGKey(5318008), count)``, and whether a step updates
+Reproducibility: the probes and the rebalancing draw come from
+``key = jax.random.fold_in(PRNGKey(5318008), count)``: rebalancing from the
+first half of ``jax.random.split(key)``, and the probe of layer ``l`` (its
+row-major index over the leaf's stacked axes; 0 for an unstacked leaf) of
+leaf ``i`` from the second half, ``i`` and ``l`` alone (threefry counters;
+see `_probes`). Whether a step updates
 the preconditioner is psgd_jax's deterministic counter: ``update_counter``
 counts steps since the last update and an update happens once it reaches
 ``1 / p(t)``, ``p`` the update probability (or schedule) at step ``t``. The
@@ -38,11 +42,12 @@ as independent layers (``[repeats, stages, d_in, d_out]`` with ``n = 2``): no
 factor for them, and each layer gets its own factors, damping mean and RMS
 clip. ``scanned_layers`` (psgd_jax's per-leaf bools) marks one such axis per
 leaf. psgd_jax takes the damping mean and the RMS clip over a scanned leaf as
-a whole; here they are per layer, which is what lets a pipeline stage update
-its layers without the others. The random probe, though, is drawn over the
-whole leaf from one key, so updating a slice of a stacked leaf (a pipeline
-stage's) draws other probe values than updating the whole leaf: the two runs
-are each reproducible but not equal. Unstacked leaves are exactly psgd_jax's.
+a whole; here they are per layer, and each layer's probe comes from its
+own key, which is what lets a pipeline stage update its layers without the
+others and equal the unpipelined step (``apply_gradients``'s
+``layer_index_fn`` gives a slice's layers their indices in the whole leaf).
+Unstacked leaves follow psgd_jax's math; their probe values are this
+module's own draw.
 ``lax_map_scanned_layers`` / ``lax_map_batch_size`` run the XLA path's
 per-layer math with ``lax.map``; the kernels always walk layers with a grid.
 
@@ -61,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend.random import threefry2x32_p
 
 from pallasopt.kernels import kron as kk
 from pallasopt.kernels._dispatch import resolve_impl
@@ -85,8 +91,8 @@ PRNG_SEED = 5318008
 MEMORY_SAVE_MODES = (None, "one_diag", "all_diag")
 KRON_STATIC_ARGS = ("max_size_triangular", "min_ndim_triangular", "lax_map_batch_size", "stacked_axes")
 _DAMPING = float(np.sqrt(np.finfo(np.float32).eps))
-# P(z > _BALANCE_Z) = 0.01 for z ~ N(0, 1): psgd_jax rebalances on 1% of updates.
-_BALANCE_Z = 2.3263478740408408
+# psgd_jax rebalances on 1% of updates.
+_BALANCE_PROB = 0.01
 
 
 def precond_update_prob_schedule(
@@ -149,6 +155,55 @@ def _balance(qs, stacked: int):
   return [
       q * (gmean / n).reshape(n.shape + (1,) * (q.ndim - stacked)).astype(q.dtype)
       for q, n in zip(qs, norms)
+  ]
+
+
+def _threefry(key_words, x1, x2):
+  """Threefry-2x32 of the counter pairs ``(x1, x2)`` under keys ``key_words``
+  (``[2, ...]`` uint32, broadcast): two uint32 arrays."""
+  k1, k2, x1, x2 = jnp.broadcast_arrays(key_words[0], key_words[1], x1, x2)
+  return threefry2x32_p.bind(*(a.astype(jnp.uint32) for a in (k1, k2, x1, x2)))
+
+
+def _probes(key, shapes, stacked, layer_index_fn):
+  """Per leaf, its layers' probes ``[layers, *inner shape]``, standard normal.
+
+  Layer ``l`` of leaf ``i`` (``l`` its row-major index over the whole leaf's
+  stacked axes, from ``layer_index_fn(local stacked shape)``, or ``arange``
+  when None; 0 for an unstacked leaf) has the key ``threefry(key, (i,
+  l))``, and its element ``e`` (row-major in the layer) is ``sqrt(2)
+  erfinv(u)``, ``u`` uniform in (-1, 1) from ``threefry(layer key, (e,
+  0))``: the same values whatever slice of the leaf is updated. Two
+  threefry hashes for all leaves, whose compile time would dominate small
+  steps if drawn per leaf.
+  """
+  batches = [math.prod(shape[:n]) for shape, n in zip(shapes, stacked)]
+  sizes = [math.prod(shape[n:]) for shape, n in zip(shapes, stacked)]
+  layers = jnp.concatenate([
+      jnp.reshape(layer_index_fn(shape[:n]), (b,)) if layer_index_fn and n else jnp.arange(b)
+      for shape, n, b in zip(shapes, stacked, batches)
+  ])
+  leaves = np.repeat(np.arange(len(shapes)), batches)
+  layer_keys = jnp.stack(_threefry(jax.random.key_data(key), leaves, layers))
+  rows = np.cumsum([0] + batches)
+  bits = _threefry(
+      jnp.concatenate([
+          jnp.broadcast_to(layer_keys[:, r:r + b, None], (2, b, m)).reshape(2, b * m)
+          for r, b, m in zip(rows, batches, sizes)
+      ], axis=1),
+      jnp.concatenate([
+          jax.lax.broadcasted_iota(jnp.uint32, (b, m), 1).reshape(b * m)
+          for b, m in zip(batches, sizes)
+      ]),
+      0,
+  )[0]
+  unit = jax.lax.bitcast_convert_type((bits >> 9) | np.uint32(0x3F800000), jnp.float32) - 1.0
+  low = np.nextafter(np.float32(-1.0), np.float32(0.0))
+  normal = np.float32(np.sqrt(2)) * jax.lax.erf_inv(jnp.maximum(low, unit * (1.0 - low) + low))
+  starts = np.cumsum([0] + [b * m for b, m in zip(batches, sizes)])
+  return [
+      normal[start:start + b * m].reshape((b,) + shape[n:])
+      for start, b, m, shape, n in zip(starts, batches, sizes, shapes, stacked)
   ]
 
 
@@ -251,24 +306,21 @@ class _Core:
         )
     return qs
 
-  def _update_factors(self, key, qs, precond_in, stacked):
+  def _update_factors(self, key, qs, precond_in, stacked, layer_index_fn):
     """psgd_jax's update_preconditioner on batched layers: balance, probe, kernel (b).
 
-    One normal draw serves every leaf's probe and the rebalancing decision
-    (its last value above the 99th percentile), one PRNG call instead of one
-    per leaf: the compile time of the threefry hash dominates small steps.
+    The rebalancing decision and the probes come from the two halves of
+    ``split(key)``; see `_probes`.
     """
-    sizes = [g.size for g in precond_in]
-    draw = jax.random.normal(key, (sum(sizes) + 1,), jnp.float32)
-    do_balance = draw[-1] > _BALANCE_Z
+    balance_key, probe_key = jax.random.split(key)
     qs = jax.lax.cond(
-        do_balance, lambda qs: [_balance(q, n) for q, n in zip(qs, stacked)], lambda qs: qs, qs
+        jax.random.uniform(balance_key) < _BALANCE_PROB,
+        lambda qs: [_balance(q, n) for q, n in zip(qs, stacked)], lambda qs: qs, qs,
     )
-    offsets = np.cumsum([0] + sizes)
+    probes = _probes(probe_key, [g.shape for g in precond_in], stacked, layer_index_fn)
     new_qs = []
-    for layer_qs, g, start, n in zip(qs, precond_in, offsets, stacked):
+    for layer_qs, g, probe, n in zip(qs, precond_in, probes, stacked):
       batch = math.prod(g.shape[:n])
-      probe = draw[start:start + g.size].reshape((batch,) + g.shape[n:])
       g = g.reshape((batch,) + g.shape[n:]).astype(jnp.float32)
       inner_axes = tuple(range(1, g.ndim))
       g = g + _DAMPING * jnp.mean(jnp.abs(g), axis=inner_axes, keepdims=True) * probe
@@ -288,7 +340,7 @@ class _Core:
       new_qs.append(updated)
     return new_qs
 
-  def step(self, grads, state, params, *, mode, decays, scalars_fn, grad_scale):
+  def step(self, grads, state, params, *, mode, decays, scalars_fn, grad_scale, layer_index_fn=None):
     """One step; returns (outputs tree, new state dict)."""
     qs = self._check_state(grads, state)
     stacked = self.stacked(grads)
@@ -314,7 +366,7 @@ class _Core:
     qs = jax.lax.cond(
         do_update,
         lambda key, qs, gs, mus: self._update_factors(
-            key, qs, [precond_input(g, mu) for g, mu in zip(gs, mus)], stacked
+            key, qs, [precond_input(g, mu) for g, mu in zip(gs, mus)], stacked, layer_index_fn
         ),
         lambda key, qs, gs, mus: qs,
         key, qs, gs, mus,
@@ -439,7 +491,13 @@ def kron(
 
   ``update`` returns Optax updates, one fused kernel (a) per leaf;
   ``apply_gradients(params, grads, state, *, grad_scale=None,
-  learning_rate=None)`` writes ``p + u`` and the momentum in place instead.
+  learning_rate=None, layer_index_fn=None)`` writes ``p + u`` and the
+  momentum in place instead. When the leaves are shards of larger stacked
+  leaves, ``layer_index_fn(stacked_shape)`` returns, for a leaf's local
+  stacked shape, the int array (of that shape) of each local layer's
+  row-major index over the whole leaf's stacked axes, which picks its probe
+  (see the module docstring); None means the leaves are whole (``arange``).
+  The stage-local layer passes it inside ``shard_map``.
 
   Raises:
     ValueError: a hyperparameter out of range; mismatched grads and state.
@@ -461,7 +519,7 @@ def kron(
       parts.append(decay_tx.init(params))
     return (*parts, lr_tx.init(params))
 
-  def step(grads, state, params, mode, grad_scale, learning_rate_now):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now, layer_index_fn=None):
     kron_state, *decay_state, lr_state = state
     decays = (
         v.broadcast_mask(_OWNER, weight_decay_mask, grads)
@@ -474,10 +532,15 @@ def kron(
       )
     first, kron_state = core.step(
         grads, kron_state, params, mode=mode, decays=decays, grad_scale=grad_scale,
-        scalars_fn=lambda count, scale: kk.kron_scalars(
+        layer_index_fn=layer_index_fn, scalars_fn=lambda count, scale: kk.kron_scalars(
             count, learning_rate_now, b1, weight_decay if decay_state else 0.0, scale
         ),
     )
     return first, (kron_state, *decay_state, advance_schedule(lr_state))
 
-  return fused_transformation(init_fn, step)
+  fused = fused_transformation(init_fn, step)
+
+  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None, layer_index_fn=None):
+    return step(grads, state, params, "apply", grad_scale, learning_rate, layer_index_fn)
+
+  return FusedGradientTransformation(fused.init, fused.update, apply_fn)

@@ -32,8 +32,9 @@ result; the stage-local path is that computation, done per stage.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -144,9 +145,9 @@ class StageLocalOptimizerMetadata:
 
 StageLocalApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
 """A stage-local step: keyword-only ``params``, ``grads``, ``opt_state``,
-``learning_rate_fn`` and ``delete_grads``, plus ``axis_name`` and
-``global_grad_norm`` when the caller sets them and ``metadata`` when the
-transform has metadata; returns ``(new_params, new_opt_state)``."""
+``learning_rate_fn`` and ``delete_grads``, plus ``axis_name``,
+``global_grad_norm`` and ``stacked_spec`` when the caller sets them and
+``metadata`` when the transform has metadata; returns ``(new_params, new_opt_state)``."""
 
 
 class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
@@ -181,6 +182,7 @@ class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
       delete_grads: bool = False,
       axis_name: AxisName | None = None,
       global_grad_norm: jax.typing.ArrayLike | None = None,
+      stacked_spec: Sequence[AxisName | None] | None = None,
   ) -> tuple[optax.Params, optax.OptState]:
     """Updates the params this stage holds from its own gradients.
 
@@ -212,6 +214,12 @@ class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
         used instead of `axis_name` when ``clip_grad`` is set. Not allowed
         with gradient accumulation, whose norm is that of the averaged
         gradient at the applying step.
+      stacked_spec: inside ``shard_map``, the ``PartitionSpec`` entries of
+        the leaves' leading stacked axes (``(None, "stage")`` for a pipeline's
+        ``[R, S, ...]``): the mesh axis each stacked axis is split over, or
+        None. Optimizers whose step depends on a layer's position in the
+        whole stacked leaf (Kron's probes) then use its global position, so
+        the stage-local step equals the unsharded one; the others ignore it.
 
     Returns:
       ``(new_params, new_opt_state)``.
@@ -230,6 +238,8 @@ class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
       kwargs["axis_name"] = axis_name
     if global_grad_norm is not None:
       kwargs["global_grad_norm"] = global_grad_norm
+    if stacked_spec is not None:
+      kwargs["stacked_spec"] = stacked_spec
     if self.metadata is not None:
       kwargs["metadata"] = self.metadata
     return self._stage_local_apply(**kwargs)
@@ -385,6 +395,28 @@ def _clip_scale(grads: Any, max_norm: float, axis_name, global_grad_norm) -> jax
   return jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(jnp.float32)
 
 
+def _layer_index_fn(
+    stacked_spec: Sequence[AxisName | None],
+) -> Callable[[tuple[int, ...]], jax.Array]:
+  """``layer_index_fn`` for a shard whose stacked axes are split as `stacked_spec` says.
+
+  Axis ``k`` of local size ``n_k`` split over mesh axis ``a`` is the block
+  ``[axis_index(a) n_k, (axis_index(a) + 1) n_k)`` of a global axis of size
+  ``axis_size(a) n_k``; the result is each local layer's row-major index
+  over the global stacked axes.
+  """
+
+  def layer_index(shape):
+    index = jnp.zeros(shape, jnp.int32)
+    for axis, (local, name) in enumerate(zip(shape, (*stacked_spec, *[None] * len(shape)))):
+      start, parts = (0, 1) if name is None else (jax.lax.axis_index(name), jax.lax.axis_size(name))
+      position = start * local + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+      index = index * (local * parts) + position
+    return index
+
+  return layer_index
+
+
 def _chain_states(opt_state: Any, metadata: StageLocalOptimizerMetadata) -> tuple:
   """The ``chain([clip,] optimizer)`` state inside `opt_state`, checked."""
   accumulating = metadata.gradient_accumulation_steps > 1
@@ -434,7 +466,9 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
      ``min(1, clip_grad / norm)`` is passed to the kernel as ``grad_scale``.
   4. ``optimizer.apply_gradients(params, grads, state, grad_scale=...,
      learning_rate=learning_rate_fn(count))`` updates params and state in
-     place.
+     place; with ``stacked_spec``, an optimizer whose ``apply_gradients``
+     takes ``layer_index_fn`` (Kron) also gets the global indices of this
+     shard's layers.
 
   The new state has the structure and dtypes ``tx.update`` produces.
 
@@ -446,6 +480,7 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
         f"{_OWNER}: fused_stage_local_apply needs a pallasopt FusedGradientTransformation; "
         f"got {type(optimizer).__name__}."
     )
+  wants_layer_index = "layer_index_fn" in inspect.signature(optimizer.apply_gradients).parameters
 
   def apply_fn(
       *,
@@ -457,6 +492,7 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
       delete_grads=False,
       axis_name=None,
       global_grad_norm=None,
+      stacked_spec=None,
   ):
     if metadata is None:
       raise ValueError(
@@ -473,13 +509,17 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
     full_grads = _grads_or_zeros(params, grads)
     chain_state = _chain_states(opt_state, metadata)
     clip = metadata.clip_grad or None
+    layer_index = (
+        dict(layer_index_fn=_layer_index_fn(stacked_spec))
+        if wants_layer_index and stacked_spec is not None else {}
+    )
 
     def step(params, grads, chain_state):
       *clip_state, state = chain_state
       scale = None if clip is None else _clip_scale(grads, clip, axis_name, global_grad_norm)
       lr = None if learning_rate_fn is None else learning_rate_fn(_schedule_count(state))
       params, state = optimizer.apply_gradients(
-          params, grads, state, grad_scale=scale, learning_rate=lr
+          params, grads, state, grad_scale=scale, learning_rate=lr, **layer_index
       )
       return params, (*clip_state, state)
 

@@ -11,7 +11,8 @@
 3. inside a second ``shard_map`` (``check_vma=False``, as Pallas kernels
    need), every device calls ``tx.apply_gradients_stage_local`` on its own
    stage's params, gradients and optimizer state, with the global norm for
-   clipping: the fused kernels update them in place (params and state are
+   clipping and ``stacked_spec=(None, stage_axis)`` (where its slice sits in
+   the stacked leaves): the fused kernels update them in place (params and state are
    donated), and no weight or optimizer state crosses a device.
 
 The optimizer state is sharded like the params by
@@ -21,11 +22,8 @@ on their stage dims, scalars replicated). Stacked leaves are
 ``[R, S, (lps), ...]``, so the optimizer must be built with
 ``stacked_axes=schedule.stacked_axes``: Adafactor, Muon and Kron then treat
 those dims as batch dims and update each layer's matrix as the unpipelined
-model would. One exception: Kron draws the random probe of its preconditioner
-update from one key over the leaf it is given, so a stage's probe differs from
-the one the whole stacked leaf would get; a pipelined Kron step therefore equals
-each stage updating its own slice alone (with the global clip), not the
-unpipelined Kron step. Example (8 fake CPU devices)::
+model would (Kron draws each layer's probe from the layer's global index), so
+a pipelined step equals the unpipelined one. Example (8 fake CPU devices)::
 
   schedule = CircularSchedule(num_stages=4, num_microbatches=8, num_repeats=2)
   mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
@@ -162,7 +160,8 @@ class PipelineTrainStep:
     )
     params, opt_state = self.tx.apply_gradients_stage_local(
         params=params, grads=grads, opt_state=opt_state,
-        learning_rate_fn=self.learning_rate_fn, **norm_args,
+        learning_rate_fn=self.learning_rate_fn, stacked_spec=(None, self.stage_axis),
+        **norm_args,
     )
     return params, opt_state, grad_norm
 

@@ -41,8 +41,13 @@ def _apply_step(tx):
   return jax.jit(tx.apply_gradients)
 
 
-def _run(tx, params, steps, *, fused=False):
-  step = _apply_step(tx) if fused else _update_step(tx)
+def _run(tx, params, steps, *, fused=False, layer_index_fn=None):
+  """`steps` steps; with `layer_index_fn` (implies `fused`), passed to ``apply_gradients``."""
+  if layer_index_fn is not None:
+    fused = True
+    step = jax.jit(functools.partial(tx.apply_gradients, layer_index_fn=layer_index_fn))
+  else:
+    step = _apply_step(tx) if fused else _update_step(tx)
   state = tx.init(params)
   for i in range(steps):
     grads = step_grads(params, i)
@@ -177,16 +182,23 @@ def test_fused_grad_scale_and_learning_rate_override():
   assert_trees_close(state[0], ref_state[0], RTOL)
 
 
-def test_stacked_layers_equal_separate_leaves():
+def test_stacked_layers_equal_their_slices_updated_alone():
+  # Layer j of a stacked leaf draws its probe from its own index j, so it
+  # updates as the slice stack[j:j+1] alone when layer_index_fn gives that
+  # slice index j, and layer 0 (leaf 0, layer 0) as an unstacked leaf.
   rng = np.random.default_rng(1)
   stack = jnp.asarray(rng.standard_normal((2, 5, 4)), jnp.float32)
-  separate = _run(kron(1e-2, impl="xla"), {"a": stack[0], "b": stack[1]}, 2)
+  first = _run(kron(1e-2, impl="xla"), {"w": stack[0]}, 2)
+  second = _run(kron(1e-2, impl="xla", stacked_axes=1), {"w": stack[1:]}, 2,
+                layer_index_fn=lambda shape: 1 + jnp.arange(shape[0]))
+  want_w = np.stack([first[0]["w"], second[0]["w"][0]])
+  want_qs = [np.stack([a, b[0]]) for a, b in zip(first[1][0]["Qs_preconditioners"]["w"],
+                                                  second[1][0]["Qs_preconditioners"]["w"])]
   for kwargs in ({"stacked_axes": 1}, {"scanned_layers": {"w": True}}):
     params, state = _run(kron(1e-2, impl="xla", **kwargs), {"w": stack}, 2)
-    np.testing.assert_allclose(params["w"], np.stack([separate[0]["a"], separate[0]["b"]]), rtol=0, atol=1e-6)
-    for got, a, b in zip(state[0]["Qs_preconditioners"]["w"],
-                         separate[1][0]["Qs_preconditioners"]["a"], separate[1][0]["Qs_preconditioners"]["b"]):
-      np.testing.assert_allclose(got, np.stack([a, b]), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(params["w"], want_w, rtol=0, atol=1e-6)
+    for got, want in zip(state[0]["Qs_preconditioners"]["w"], want_qs, strict=True):
+      np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
 def test_interpreted_kernels_match_the_xla_path():

@@ -73,34 +73,6 @@ def whole_model_reference(tx, schedule, layers, inputs, targets):
   return step, tx.init(layers)
 
 
-def per_stage_reference(tx, schedule, layers, inputs, targets, clip):
-  """The unpipelined model, optimized by the Optax path of `tx` (no clip) on each
-  stage's slice ``[R, 1, ...]`` in turn, gradients clipped by the global norm.
-
-  For optimizers whose step depends on how the params are sliced: Kron draws
-  one random probe for all the leaves it is given, so a stage's draw differs
-  from the whole model's.
-  """
-  S = schedule.num_stages
-  slices = lambda tree: [jax.tree.map(lambda x: x[:, s:s + 1], tree) for s in range(S)]
-
-  @jax.jit
-  def step(params, states):
-    loss, grads = jax.value_and_grad(sequential_loss)(params, inputs, targets)
-    norm = optax.tree.norm(grads)
-    scale = 1.0 if clip is None else jnp.minimum(1.0, clip / norm)
-    grads = jax.tree.map(lambda g: g * scale, layers_to_stages(grads, schedule))
-    new_slices, new_states = [], []
-    for p, g, state in zip(slices(layers_to_stages(params, schedule)), slices(grads), states):
-      updates, state = tx.update(g, state, p)
-      new_slices.append(optax.apply_updates(p, updates))
-      new_states.append(state)
-    stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *new_slices)
-    return stages_to_layers(stacked, schedule), new_states, loss, norm
-
-  return step, [tx.init(p) for p in slices(layers_to_stages(layers, schedule))]
-
-
 def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1):
   """STEPS pipelined steps against STEPS unpipelined Optax steps; returns the step."""
   config = CASES[name][0]
@@ -113,13 +85,8 @@ def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1)
                          data_axis="data" if data > 1 else None)
   layers = make_layers(schedule.num_layers)
   inputs, targets = make_batch(schedule.num_microbatches)
-  if name == "kron":
-    ref_tx, _ = create_optimizer(name, config, SCHEDULER, stacked_axes=schedule.stacked_axes,
-                                 **kwargs)
-    ref_step, ref_state = per_stage_reference(ref_tx, schedule, layers, inputs, targets, clip)
-  else:
-    ref_tx, _ = create_optimizer(name, config, SCHEDULER, stacked_axes=1, clip_grad=clip, **kwargs)
-    ref_step, ref_state = whole_model_reference(ref_tx, schedule, layers, inputs, targets)
+  ref_tx, _ = create_optimizer(name, config, SCHEDULER, stacked_axes=1, clip_grad=clip, **kwargs)
+  ref_step, ref_state = whole_model_reference(ref_tx, schedule, layers, inputs, targets)
   params = step.shard_params(layers_to_stages(layers, schedule))
   opt_state = step.init(params)
   sharded_inputs, sharded_targets = step.shard_batch(inputs, targets)

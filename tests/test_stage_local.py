@@ -229,16 +229,10 @@ def _stage_params(seed=1):
     [(name, "xla", 1) for name in OPTIMIZERS] + [("adamw", "interpret", 2)],
 )
 def test_shard_map_stage_slices_equal_the_unsharded_step(name, impl, accumulate):
-  # Kron draws its preconditioner probes from one key for the whole leaf, so a
-  # stage's slice of them differs from the unsharded draw; without
-  # preconditioner updates its step is deterministic per slice.
-  config = CONFIGS[name]
-  if name == "kron":
-    config = dataclasses.replace(
-        config, preconditioner_update_probability=0.0, memory_save_mode="all_diag"
-    )
+  # stacked_spec gives Kron each stage's global layer index, from which it
+  # draws that layer's preconditioner probe, as the unsharded step does.
   tx, _ = create_optimizer(
-      name, config, LINEAR, weight_decay=0.1, clip_grad=0.5, gradient_accumulation_steps=accumulate,
+      name, CONFIGS[name], LINEAR, weight_decay=0.1, clip_grad=0.5, gradient_accumulation_steps=accumulate,
       stacked_axes=1, impl=impl,
   )
   mesh = Mesh(np.array(jax.devices()[:STAGES]), ("stage",))
@@ -248,7 +242,8 @@ def test_shard_map_stage_slices_equal_the_unsharded_step(name, impl, accumulate)
   stage_step = jax.jit(
       _compat.shard_map(
           lambda p, g, s: tx.apply_gradients_stage_local(
-              params=p, grads=g, opt_state=s, axis_name="stage"
+              params=p, grads=g, opt_state=s, axis_name="stage",
+              stacked_spec=("stage",),
           ),
           mesh=mesh,
           in_specs=(param_specs, param_specs, state_specs),
