@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import pallasopt
-from helpers import assert_close, random_array, tolerance
+from helpers import assert_close, assert_trees_close, random_array, run_steps, tolerance, tree_of
 from pallasopt.kernels import adamw as adamw_k
 
 pytestmark = pytest.mark.gpu
@@ -39,20 +39,11 @@ def test_triton_adamw_equals_reference(shape, mode, dtype, mu_dtype, nesterov):
 
 
 def test_fused_transform_on_gpu_matches_optax_over_steps():
-  rng = np.random.default_rng(1)
-  params = {"w": random_array(rng, (1024, 768), jnp.float32), "b": random_array(rng, (768,), jnp.float32)}
-  tx = pallasopt.optim.adamw(1e-3, weight_decay=0.1, impl="pallas")
-  ref = optax.adamw(1e-3, weight_decay=0.1)
-  step = jax.jit(functools.partial(pallasopt.optim.apply_gradients, tx), donate_argnums=(0, 2))
-  ours, state = jax.tree.map(jnp.copy, params), tx.init(params)
-  theirs, ref_state = params, ref.init(params)
-  for i in range(3):
-    grads = jax.tree.map(lambda x: jnp.sin(x * (i + 1)), theirs)
-    ours, state = step(ours, grads, state)
-    updates, ref_state = ref.update(grads, ref_state, theirs)
-    theirs = optax.apply_updates(theirs, updates)
-  for a, b in zip(jax.tree.leaves((ours, state)), jax.tree.leaves((theirs, ref_state))):
-    assert_close(a, b, 2e-6)
+  params = tree_of(np.random.default_rng(1), [((1024, 768), jnp.float32), ((768,), jnp.float32)])
+  kwargs = dict(learning_rate=1e-3, weight_decay=0.1)
+  fused = jax.jit(pallasopt.optim.apply_gradients, static_argnums=0, donate_argnums=(1, 3))
+  got = run_steps(pallasopt.optim.adamw(**kwargs, impl="pallas"), jax.tree.map(jnp.copy, params), 3, True, fused)
+  assert_trees_close(got, run_steps(optax.adamw(**kwargs), params, 3, False), 2e-6)
 
 
 def test_auto_uses_the_triton_kernel_on_gpu():
