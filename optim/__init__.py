@@ -49,6 +49,7 @@ from pallasopt.optim.stage_local import (
     make_unsupported_stage_local_gradient_transformation,
     register_optimizer,
     register_scheduler,
+    stage_local_grad_norm,
 )
 
 __all__ = [
@@ -85,4 +86,5 @@ __all__ = [
     "make_unsupported_stage_local_gradient_transformation",
     "register_optimizer",
     "register_scheduler",
+    "stage_local_grad_norm",
 ]

@@ -64,6 +64,7 @@ __all__ = [
     "make_stage_local_gradient_transformation",
     "make_unsupported_stage_local_gradient_transformation",
     "fused_stage_local_apply",
+    "stage_local_grad_norm",
     "create_optimizer",
     "AdamWConfig",
     "LionConfig",
@@ -380,16 +381,31 @@ def _schedule_count(state: Any):
   )
 
 
+def stage_local_grad_norm(grads: Any, axis_name: AxisName | None = None) -> jax.Array:
+  """The global L2 norm of `grads`, from this shard's leaves and one scalar psum.
+
+  Inside ``shard_map``, with every leaf partitioned over `axis_name` (and
+  replicated over the other mesh axes), the psum of the local sums of squares
+  counts each element once; nothing is gathered. With ``axis_name=None`` it is
+  the norm of the local leaves.
+
+  Args:
+    grads: this shard's gradients.
+    axis_name: the mesh axis (or axes) the leaves are partitioned over.
+  """
+  square = sum(
+      (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
+      jnp.zeros([], jnp.float32),
+  )
+  if axis_name is not None:
+    square = jax.lax.psum(square, axis_name)
+  return jnp.sqrt(square)
+
+
 def _clip_scale(grads: Any, max_norm: float, axis_name, global_grad_norm) -> jax.Array:
   """``optax.clip_by_global_norm``'s factor: 1 below `max_norm`, else max/norm."""
   if global_grad_norm is None:
-    square = sum(
-        (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
-        jnp.zeros([], jnp.float32),
-    )
-    if axis_name is not None:
-      square = jax.lax.psum(square, axis_name)
-    norm = jnp.sqrt(square)
+    norm = stage_local_grad_norm(grads, axis_name)
   else:
     norm = jnp.asarray(global_grad_norm, jnp.float32)
   return jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(jnp.float32)

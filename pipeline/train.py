@@ -44,10 +44,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from pallasopt.kernels._compat import shard_map
+from pallasopt.optim import stage_local_grad_norm
 from pallasopt.pipeline.circular import StageFn, _check_config, circular_pipeline, io_specs
 from pallasopt.pipeline.layout import STAGE_AXIS, check_stacked, stage_shardings, stage_specs
 from pallasopt.pipeline.schedule import CircularSchedule
@@ -147,11 +147,7 @@ class PipelineTrainStep:
   def _local_update(self, params, grads, opt_state):
     # Every leaf is sharded over the stage axis and replicated over the
     # others, so the stage axis alone sums each element's square once.
-    square = sum(
-        (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
-        jnp.zeros([], jnp.float32),
-    )
-    grad_norm = jnp.sqrt(lax.psum(square, self.stage_axis))
+    grad_norm = stage_local_grad_norm(grads, self.stage_axis)
     accumulating = getattr(self.tx.metadata, "gradient_accumulation_steps", 1) > 1
     # With accumulation the clip applies to the averaged gradient, whose norm
     # the stage-local step computes itself (one more scalar psum).
