@@ -111,6 +111,11 @@ def schedule_count(state: Any):
   return state.count if _has_count(state) else None
 
 
+def schedule_value(value: optax.ScalarOrSchedule, state: Any):
+  """`value` at `state`'s step count if it is a schedule, else `value` itself."""
+  return value(schedule_count(state)) if callable(value) else value
+
+
 def advance_schedule(state: Any) -> Any:
   """`state` with its schedule counter (if any) incremented, as Optax does."""
   if isinstance(state, optax.MaskedState):

@@ -28,7 +28,7 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
-    schedule_count,
+    schedule_value,
 )
 
 __all__ = ["elementwise_transform"]
@@ -37,10 +37,6 @@ __all__ = ["elementwise_transform"]
 ScalarsFn = Callable[[jax.Array, Any, Any, Any], tuple]
 # kernel(p, g, *moments, scalars, decay=..., impl=...) -> (p + u or u, *moments).
 KernelFn = Callable[..., tuple]
-
-
-def _current(value: optax.ScalarOrSchedule, state: Any):
-  return value(schedule_count(state)) if callable(value) else value
 
 
 def _check_hyperparameters(
@@ -126,9 +122,9 @@ def elementwise_transform(
 
     count = optax.safe_increment(moment_state.count)
     if learning_rate_now is None:
-      learning_rate_now = _current(learning_rate, lr_state)
+      learning_rate_now = schedule_value(learning_rate, lr_state)
     step_scalars = scalars(
-        count, learning_rate_now, _current(weight_decay, decay_state),
+        count, learning_rate_now, schedule_value(weight_decay, decay_state),
         1.0 if grad_scale is None else grad_scale,
     )
     kernel = apply_kernel if mode == "apply" else updates_kernel

@@ -16,7 +16,7 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
-    schedule_count,
+    schedule_value,
 )
 
 __all__ = ["adafactor", "ADAFACTOR_STATIC_ARGS"]
@@ -27,10 +27,6 @@ _OWNER = "pallasopt.optim.adafactor"
 # static_args=ADAFACTOR_STATIC_ARGS)``: the two ints decide shapes at trace
 # time, and inject_hyperparams would take the dtype class for a schedule.
 ADAFACTOR_STATIC_ARGS = ("min_dim_size_to_factor", "stacked_axes", "dtype_momentum")
-
-
-def _current(value: Any, state: Any):
-  return value(schedule_count(state)) if callable(value) else value
 
 
 def _state_shapes(shape, dtype, dims):
@@ -224,8 +220,8 @@ def adafactor(
                         state[position["momentum"]].ema, "params", params)
 
     if learning_rate_now is None and learning_rate is not None:
-      learning_rate_now = _current(learning_rate, state[position["lr"]])
-    decay_now = 0.0 if never_decays else _current(weight_decay_rate, state[position["decay"]])
+      learning_rate_now = schedule_value(learning_rate, state[position["lr"]])
+    decay_now = 0.0 if never_decays else schedule_value(weight_decay_rate, state[position["decay"]])
     scalars = adafactor_kernels.adafactor_scalars(
         factored_state.count,
         learning_rate=1.0 if learning_rate_now is None else learning_rate_now,

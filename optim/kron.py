@@ -75,7 +75,7 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
-    schedule_count,
+    schedule_value,
 )
 
 __all__ = [
@@ -527,9 +527,7 @@ def kron(
     )
     v.checked_param_leaves(_OWNER, params, grads, mode=mode, decays=decays)
     if learning_rate_now is None:
-      learning_rate_now = (
-          learning_rate(schedule_count(lr_state)) if callable(learning_rate) else learning_rate
-      )
+      learning_rate_now = schedule_value(learning_rate, lr_state)
     first, kron_state = core.step(
         grads, kron_state, params, mode=mode, decays=decays, grad_scale=grad_scale,
         layer_index_fn=layer_index_fn, scalars_fn=lambda count, scale: kk.kron_scalars(
