@@ -92,9 +92,7 @@ def elementwise_transform(
   """
   _check_hyperparameters(owner, learning_rate, weight_decay, betas, nonnegative or {})
   resolve_impl(impl)
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  if mu_dtype is not None and mu_dtype not in v.SUPPORTED_DTYPES:
-    raise TypeError(f"{owner}: mu_dtype must be float32 or bfloat16; got {mu_dtype}.")
+  mu_dtype = v.optional_float_dtype(owner, "mu_dtype", mu_dtype)
   first_moment = state_cls._fields[1]
   num_moments = len(state_cls._fields) - 1
   # Optax builds these two states; reusing their init keeps ours identical.

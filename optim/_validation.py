@@ -62,6 +62,16 @@ def check_float_leaves(owner: str, name: str, tree: Any) -> None:
       )
 
 
+def optional_float_dtype(owner: str, name: str, dtype: Any) -> jnp.dtype | None:
+  """`dtype` as a `jnp.dtype` the kernels take (float32 or bfloat16), or None."""
+  if dtype is None:
+    return None
+  dtype = jnp.dtype(dtype)
+  if dtype not in SUPPORTED_DTYPES:
+    raise TypeError(f"{owner}: {name} must be float32 or bfloat16; got {dtype}.")
+  return dtype
+
+
 def _concrete_value(value: Any) -> float | None:
   """The float value of a concrete scalar; None for tracers and schedules."""
   if callable(value) or isinstance(value, jax.core.Tracer):

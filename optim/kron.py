@@ -112,15 +112,6 @@ def _structural(name: str, value: Any) -> int:
   return v.static_int(_OWNER, name, value, static_args="KRON_STATIC_ARGS")
 
 
-def _dtype_or_none(name: str, dtype: Any):
-  if dtype is None:
-    return None
-  dtype = jnp.dtype(dtype)
-  if dtype not in v.SUPPORTED_DTYPES:
-    raise TypeError(f"{_OWNER}: {name} must be float32 or bfloat16; got {dtype}.")
-  return dtype
-
-
 def _init_layer_factors(inner, leaf_dtype, scale, max_size, min_ndim, memory_save_mode, dtype):
   """One layer's factors, as psgd_jax initialises them."""
   if not inner:
@@ -252,8 +243,8 @@ class _Core:
     self.momentum_into_precond_update = momentum_into_precond_update
     self.preconditioner_lr = preconditioner_lr
     self.init_scale = preconditioner_init_scale
-    self.mu_dtype = _dtype_or_none("mu_dtype", mu_dtype)
-    self.precond_dtype = _dtype_or_none("precond_dtype", precond_dtype)
+    self.mu_dtype = v.optional_float_dtype(_OWNER, "mu_dtype", mu_dtype)
+    self.precond_dtype = v.optional_float_dtype(_OWNER, "precond_dtype", precond_dtype)
     self.update_precision = precond_update_precision
     self.grads_precision = precond_grads_precision
     self.scanned_layers = scanned_layers

@@ -452,11 +452,10 @@ def muon(
       len(blockwise) != 2 or any(not isinstance(b, int) or b < 1 for b in blockwise)
   ):
     raise ValueError(f"{_OWNER}: blockwise must be a pair of positive ints; got {blockwise!r}.")
-  if iter_dtype is not None and jnp.dtype(iter_dtype) not in v.SUPPORTED_DTYPES:
-    raise TypeError(f"{_OWNER}: iter_dtype must be float32 or bfloat16; got {iter_dtype}.")
+  v.optional_float_dtype(_OWNER, "iter_dtype", iter_dtype)
   init_coeffs = _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs)
   table_steps = ns_steps if init_coeffs.ndim == 1 else None
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  mu_dtype = v.optional_float_dtype(_OWNER, "mu_dtype", mu_dtype)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
