@@ -23,6 +23,7 @@ __all__ = [
     "TritonCompilerParams",
     "shard_map",
     "lowering_platform",
+    "compiler_params",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -35,6 +36,31 @@ TPUCompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(
 TritonCompilerParams = getattr(pltriton, "CompilerParams", None) or getattr(
     pltriton, "TritonCompilerParams"
 )
+
+
+
+def compiler_params(
+    backend: str,
+    dimension_semantics: tuple[str, ...],
+    *,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    vmem_limit_bytes: int | None = None,
+):
+  """Explicit compiler params for ``backend``, as every pallas_call passes them.
+
+  TPU: the grid's ``dimension_semantics`` (and a VMEM limit, None for the
+  default). Triton: ``num_warps`` and ``num_stages``. Passing them always
+  pins the GPU lowering to Triton on every supported jax release.
+  """
+  if backend == "tpu":
+    return TPUCompilerParams(
+        dimension_semantics=tuple(dimension_semantics), vmem_limit_bytes=vmem_limit_bytes
+    )
+  if backend == "triton":
+    return TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
+  raise ValueError(f"backend must be 'tpu' or 'triton'; got {backend!r}.")
+
 
 if hasattr(jax, "shard_map"):
   shard_map = jax.shard_map

@@ -58,8 +58,6 @@ __all__ = [
 
 Body = Callable[..., Sequence[jax.Array]]
 
-_TRITON_NUM_WARPS = 4
-_TRITON_NUM_STAGES = 2
 
 
 def bytes_moved(
@@ -172,12 +170,9 @@ def elementwise_call(
   block = pl.BlockSpec(plan.block_shape, lambda i, j: (i, j))
   if backend == "tpu":
     scalar_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
-    params = _compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel"))
   else:
     scalar_spec = pl.BlockSpec((_triton_scalar_width(len(scalars)),), lambda i, j: (0,))
-    params = _compat.TritonCompilerParams(
-        num_warps=_TRITON_NUM_WARPS, num_stages=_TRITON_NUM_STAGES
-    )
+  params = _compat.compiler_params(backend, ("parallel", "parallel"))
 
   kernel = functools.partial(
       _kernel, body=body, num_scalars=len(scalars), num_operands=len(operands),

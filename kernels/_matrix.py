@@ -17,18 +17,16 @@ what such kernels share, so each family writes only its math:
   with the batch axis squeezed.
 * Per-call scalars (coefficient tables, step sizes) are kernel *inputs*, built
   by `_elementwise.scalar_input` as for every other kernel.
-* `compiler_params`: the backend's compiler parameters, always explicit.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels import _compat
 from pallasopt.kernels._compat import pl
 from pallasopt.kernels._tiling import pow2_at_least
 
@@ -42,7 +40,6 @@ __all__ = [
     "pad_stack",
     "unpad_stack",
     "matrix_spec",
-    "compiler_params",
 ]
 
 BACKENDS = ("tpu", "triton")
@@ -112,21 +109,3 @@ def matrix_spec(
   if index_map is None:
     index_map = lambda b: (b, 0, 0)
   return pl.BlockSpec((None, *block), index_map)
-
-
-def compiler_params(
-    backend: str,
-    dimension_semantics: Sequence[str],
-    *,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    vmem_limit_bytes: int | None = None,
-):
-  """Compiler params for ``backend`` (TPU: semantics + VMEM; Triton: warps)."""
-  _check_backend(backend)
-  if backend == "tpu":
-    return _compat.TPUCompilerParams(
-        dimension_semantics=tuple(dimension_semantics),
-        vmem_limit_bytes=vmem_limit_bytes,
-    )
-  return _compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -88,8 +88,6 @@ _TPU_MAX_COLS = 2048
 # Triton keeps a block in registers: 4096 elements over 4 warps.
 _TRITON_BLOCK_ELEMENTS = 4096
 _TRITON_MAX_COLS = 128
-_TRITON_NUM_WARPS = 4
-_TRITON_NUM_STAGES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,14 +173,6 @@ def _in_spec(kind: str, plan: BlockPlan) -> pl.BlockSpec:
 def _kernel_view(kind: str, x: jax.Array, plan: BlockPlan) -> jax.Array:
   p, r, c = plan.shape
   return x.reshape({FULL: (p, r, c), ROWS: (p, r, 1), COLS: (p, 1, c), MATRIX: (p, 1, 1)}[kind])
-
-
-def _compiler_params(backend: str, semantics: tuple[str, ...]):
-  if backend == "tpu":
-    return _compat.TPUCompilerParams(dimension_semantics=semantics)
-  return _compat.TritonCompilerParams(
-      num_warps=_TRITON_NUM_WARPS, num_stages=_TRITON_NUM_STAGES
-  )
 
 
 class _Block:
@@ -311,7 +301,7 @@ def reduce_call(
       grid=plan.grid,
       in_specs=[scalar_spec] + [_in_spec(k, plan) for k in kinds],
       out_specs=out_specs,
-      compiler_params=None if interpret else _compiler_params(backend, semantics),
+      compiler_params=None if interpret else _compat.compiler_params(backend, semantics),
       interpret=interpret,
       name=name,
       cost_estimate=pl.CostEstimate(
@@ -393,7 +383,7 @@ def broadcast_call(
       out_specs=[_in_spec(FULL, plan)] * len(out_dtypes),
       # Operand i is pallas_call input i + 1: input 0 is the scalar vector.
       input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
-      compiler_params=None if interpret else _compiler_params(backend, ("parallel",) * 3),
+      compiler_params=None if interpret else _compat.compiler_params(backend, ("parallel",) * 3),
       interpret=interpret,
       name=name,
       cost_estimate=pl.CostEstimate(

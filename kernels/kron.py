@@ -68,7 +68,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels import _matrix
+from pallasopt.kernels import _compat, _matrix
 from pallasopt.kernels._compat import pl
 from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._elementwise import scalar_input
@@ -582,7 +582,7 @@ def kron_precondition_kernel(
       in_specs=in_specs,
       out_specs=[_matrix.matrix_spec(dims)] * len(out_dtypes),
       input_output_aliases=aliases,
-      compiler_params=None if interpret else _matrix.compiler_params(
+      compiler_params=None if interpret else _compat.compiler_params(
           backend, ("parallel",), num_warps=4, num_stages=1,
           vmem_limit_bytes=_TPU_VMEM_LIMIT,
       ),
@@ -680,7 +680,7 @@ def kron_factor_update_kernel(
                 _matrix.matrix_spec((rows, cols))],
       out_specs=_matrix.matrix_spec(q_block),
       input_output_aliases={1: 0},
-      compiler_params=None if interpret else _matrix.compiler_params(
+      compiler_params=None if interpret else _compat.compiler_params(
           backend, ("parallel",), num_warps=4, num_stages=1,
           vmem_limit_bytes=_TPU_VMEM_LIMIT,
       ),

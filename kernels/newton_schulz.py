@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallasopt.kernels import _matrix
+from pallasopt.kernels import _compat, _matrix
 from pallasopt.kernels._compat import pl, pltpu
 from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._elementwise import scalar_input
@@ -349,7 +349,7 @@ def _resident(stack, coeffs, *, preconditioning, eps, dtype, out_dtype, backend,
   dims = _matrix.padded_dims(m, n, backend)
   scalars = jnp.concatenate([jnp.reshape(jnp.asarray(eps, jnp.float32), (1,)), coeffs.ravel()])
   scalar_vec, scalar_spec = scalar_input(scalars, backend)
-  params = _matrix.compiler_params(
+  params = _compat.compiler_params(
       backend, ("parallel",), num_warps=_TRITON_RESIDENT_WARPS, num_stages=1,
       vmem_limit_bytes=_resident_bytes(dims) + _TPU_VMEM_HEADROOM,
   )
@@ -478,7 +478,7 @@ def _tiled_call(
     out_spec = _matrix.matrix_spec((tile, tile), lambda b, i, j: (b, i, j))
     scratch = []
     semantics = ("parallel",) * 3
-  params = _matrix.compiler_params(
+  params = _compat.compiler_params(
       backend, semantics, num_warps=_TRITON_TILED_WARPS, num_stages=_TRITON_TILED_STAGES
   )
   kernel = functools.partial(
