@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and benchmarks on a machine that has JAX for the GPU but
+# cannot install this project (no network): pallasopt is imported through a
+# symlink to this checkout instead of `pip install -e`.
+#
+#   bench/device.sh env                 # device, driver and package versions
+#   bench/device.sh tests [pytest args] # pytest -m gpu, log + junit XML in $OUT
+#   bench/device.sh bench [bench args]  # python -m bench.kernels, resumable
+#
+# Logs and results go to $OUT (default /tmp/pallasopt-out). Set
+# PALLASOPT_COMMIT=<sha> when the checkout has no .git, so every bench record
+# names the code it measured.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/pallasopt-out}
+mkdir -p /tmp/pallasopt-import "$out"
+ln -sfn "$PWD" /tmp/pallasopt-import/pallasopt
+export PYTHONPATH=/tmp/pallasopt-import:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+
+step=${1:?usage: bench/device.sh env|tests|bench [args]}
+shift
+case $step in
+  env)
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+    $python - <<'EOF'
+import jax, jaxlib, optax, numpy
+print("jax", jax.__version__, "jaxlib", jaxlib.__version__, "optax", optax.__version__, "numpy", numpy.__version__)
+print("devices", jax.devices(), [d.device_kind for d in jax.devices()])
+import pallasopt
+print("pallasopt from", pallasopt.__file__)
+EOF
+    ;;
+  tests)
+    # Several workers compile Triton kernels in parallel; without preallocation
+    # they share the one GPU's memory.
+    XLA_PYTHON_CLIENT_PREALLOCATE=false $python -m pytest -m gpu -q -p no:cacheprovider \
+      --junitxml="$out/gpu-tests.xml" "$@" 2>&1 | tee "$out/gpu-tests.log"
+    ;;
+  bench)
+    $python -m bench.kernels "$@" 2>&1 | tee -a "$out/bench.log"
+    ;;
+  *)
+    echo "unknown step: $step (env, tests or bench)" >&2
+    exit 2
+    ;;
+esac
