@@ -58,6 +58,7 @@ def case(workload: workloads.Workload) -> harness.Case:
       flops=batch * ns_flops(*spec.shape[-2:], NS_STEPS),
       metric="compute",
       compute_dtype=spec.dtype.name,  # the Newton-Schulz iterates' dtype (iter_dtype=None)
+      auto_on_cuda="xla",
   )
 
 

@@ -219,6 +219,8 @@ class Case:
     baseline: name of the implementation ratios divide by.
     compute_dtype: dtype of the step's matmuls (compute cases; picks the
       matmul ceiling). None: the largest floating leaf of the consts.
+    auto_on_cuda: what the family's ``impl="auto"`` runs on a CUDA GPU,
+      ``"pallas"`` (Triton) or ``"xla"`` (`kernels._dispatch.dispatch`).
   """
 
   family: str
@@ -233,6 +235,7 @@ class Case:
   metric: Metric = "bandwidth"
   baseline: str = "optax"
   compute_dtype: str | None = None
+  auto_on_cuda: str = "pallas"
 
   @property
   def key(self) -> str:
@@ -329,6 +332,7 @@ def optimizer_case(
     label: str | None = None,
     compute_dtype: str | None = None,
     prepare_state: Callable[[jax.Array, Any], Any] = randomize_floats,
+    auto_on_cuda: str = "pallas",
 ) -> Case:
   """The standard three-way comparison for an optimizer on a workload.
 
@@ -353,6 +357,7 @@ def optimizer_case(
     label: case label (default: the workload's).
     compute_dtype: see `Case.compute_dtype`.
     prepare_state: ``(key, state) -> state`` making the initial state.
+    auto_on_cuda: see `Case.auto_on_cuda`.
   """
   specs = workload.tree
 
@@ -371,6 +376,7 @@ def optimizer_case(
       family=family, workload=workload.name, label=label or workload.label,
       params=workload.params, leaves=workload.leaves, inputs=inputs, impls=impls,
       bytes=bytes, flops=flops, metric=metric, compute_dtype=compute_dtype,
+      auto_on_cuda=auto_on_cuda,
   )
 
 
@@ -482,8 +488,11 @@ def environment() -> Environment:
   )
 
 
-def kernel_label(kernel_impl: str, platform: str) -> str:
-  """What runs under ``impl=kernel_impl`` here: mosaic, triton, xla or interpret."""
+def kernel_label(kernel_impl: str, platform: str, auto_on_cuda: str = "pallas") -> str:
+  """What runs under ``impl=kernel_impl`` here: mosaic, triton, xla or interpret.
+
+  ``auto_on_cuda``: what the family's ``"auto"`` runs on CUDA (`Case.auto_on_cuda`).
+  """
   if kernel_impl in ("xla", "interpret"):
     return kernel_impl
   if platform == "tpu":
@@ -491,9 +500,10 @@ def kernel_label(kernel_impl: str, platform: str) -> str:
   if platform == "gpu" and kernel_impl == "pallas":
     return "triton"
   if platform == "gpu":
-    # "auto" picks Triton on CUDA and the XLA reference on other GPUs (ROCm).
+    # "auto" picks the XLA reference on other GPUs (ROCm).
     version = getattr(jax.devices()[0].client, "platform_version", "")
-    return "xla" if "rocm" in str(version).lower() else "triton"
+    rocm = "rocm" in str(version).lower()
+    return "xla" if rocm or auto_on_cuda == "xla" else "triton"
   if kernel_impl == "pallas":
     raise ValueError(
         f"impl='pallas' cannot compile on {platform!r}; use --interpret (tests) or 'xla'."
@@ -1058,13 +1068,16 @@ def run(
   kernel_impls = tuple(settings.kernel_impls)
   pattern = re.compile(filter) if filter else None
 
-  configs = []
+  configs, seen = [], set()
   for case in cases:
     for impl in case.impls:
       for k in kernel_impls if impl.pallas else ("xla",):
-        kernel = kernel_label(resolve_impl(k), env.platform)
+        kernel = kernel_label(resolve_impl(k), env.platform, case.auto_on_cuda)
         key = config_key(case, impl, kernel)
-        if pattern is None or pattern.search(key):
+        # Two --kernel-impls can run the same kernel ("auto" is "pallas" on
+        # most GPU families); time it once.
+        if key not in seen and (pattern is None or pattern.search(key)):
+          seen.add(key)
           configs.append((case, impl, k, kernel, key))
   keys = {c[-1] for c in configs}
   done = {

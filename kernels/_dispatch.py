@@ -6,7 +6,9 @@ an ``impl`` string:
 
 * ``"auto"``: one traced function that carries the Mosaic TPU kernel, the
   Triton kernel and the XLA reference, picked per platform by
-  `jax.lax.platform_dependent` when it is lowered. CPUs run the reference.
+  `jax.lax.platform_dependent` when it is lowered. CPUs run the reference; so
+  do CUDA GPUs for a family whose Triton kernel was measured slower than XLA
+  there (``auto_on_cuda="xla"``, said in that family's docstring).
 * ``"pallas"``: the Mosaic TPU kernel on TPU, the Triton kernel elsewhere
   (lowering fails with JAX's own error on a platform Pallas cannot compile for).
 * ``"interpret"``: the Pallas kernel run by the Pallas interpreter, on any
@@ -93,7 +95,11 @@ def resolve_impl(impl: str = "auto") -> str:
 
 
 def dispatch(
-    reference: Callable[..., object], kernel: KernelFn, impl: str = "auto"
+    reference: Callable[..., object],
+    kernel: KernelFn,
+    impl: str = "auto",
+    *,
+    auto_on_cuda: Literal["pallas", "xla"] = "pallas",
 ) -> Callable[..., object]:
   """Returns the function that runs a kernel family as ``impl`` asks.
 
@@ -102,7 +108,12 @@ def dispatch(
     kernel: the Pallas implementation; takes the reference's arguments plus
       keyword-only ``backend`` (``"tpu"`` or ``"triton"``) and ``interpret``.
     impl: see the module docstring.
+    auto_on_cuda: what ``"auto"`` runs on a CUDA GPU: the Triton kernel
+      (``"pallas"``) or the reference (``"xla"``), for a family whose Triton
+      kernel is slower than XLA there. ``impl="pallas"`` still runs Triton.
   """
+  if auto_on_cuda not in ("pallas", "xla"):
+    raise ValueError(f"auto_on_cuda must be 'pallas' or 'xla'; got {auto_on_cuda!r}.")
   impl = resolve_impl(impl)
   if impl == "xla":
     return reference
@@ -118,8 +129,9 @@ def dispatch(
     # keywords are static configuration, bound into every branch.
     bind = lambda fn: functools.partial(fn, **kwargs)
     if impl == "auto":
+      cuda = triton if auto_on_cuda == "pallas" else reference
       return jax.lax.platform_dependent(
-          *args, tpu=bind(mosaic), cuda=bind(triton), default=bind(reference)
+          *args, tpu=bind(mosaic), cuda=bind(cuda), default=bind(reference)
       )
     return jax.lax.platform_dependent(*args, tpu=bind(mosaic), default=bind(triton))
 

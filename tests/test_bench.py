@@ -155,6 +155,25 @@ def test_compute_cases_name_the_dtype_their_matmuls_run_in():
   assert harness.compute_dtype(_matmul_case(jnp.bfloat16, explicit=False)) == "bfloat16"
 
 
+def test_kernel_labels_follow_each_familys_cuda_dispatch():
+  assert harness.kernel_label("auto", "gpu") == "triton"
+  assert harness.kernel_label("auto", "gpu", auto_on_cuda="xla") == "xla"
+  assert harness.kernel_label("pallas", "gpu", auto_on_cuda="xla") == "triton"
+  assert harness.kernel_label("auto", "tpu", auto_on_cuda="xla") == "mosaic"
+  # Newton-Schulz's "auto" is XLA on CUDA (kernels/newton_schulz.py).
+  assert {c.auto_on_cuda for c in kernels.cases("ci", ("muon",))} == {"xla"}
+  assert {c.auto_on_cuda for c in kernels.cases("ci", ("adamw", "kron"))} == {"pallas"}
+
+
+def test_kernel_impls_that_run_the_same_kernel_are_timed_once(tmp_path, capsys):
+  out = tmp_path / "k.jsonl"
+  records, _, err = _run(
+      ["--filter", r"adamw/leaf/f32/1000/", "--kernel-impls", "xla,xla", "--out", str(out)], capsys
+  )
+  assert [r["impl"] for r in records] == ["optax", "pallasopt.update", "pallasopt.fused"]
+  assert "3 to measure" in err
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU host's quick tier")
 def test_quick_tier_on_a_cpu_runs_only_small_cases_of_every_family():
   cases = kernels.cases("quick")

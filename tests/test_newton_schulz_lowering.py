@@ -35,15 +35,23 @@ CASES = [
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("shape,dtype,preconditioning,launches", CASES, ids=str)
 def test_newton_schulz_lowers(platform, shape, dtype, preconditioning, launches):
-  fn = lambda x, t: ns.newton_schulz(x, t, preconditioning=preconditioning, impl="auto")
+  fn = lambda x, t: ns.newton_schulz(x, t, preconditioning=preconditioning, impl="pallas")
   text = lowered_text(fn, platform, _sds(shape, dtype), _sds((5, 3)))
   assert text.count(CUSTOM_CALL[platform]) == launches[platform]
+
+
+def test_auto_runs_mosaic_on_tpu_and_xla_on_cuda():
+  # On CUDA GPUs cuBLAS beats the Triton Newton-Schulz kernels (module doc).
+  fn = lambda x, t: ns.newton_schulz(x, t, impl="auto")
+  args = _sds((1024, 1024)), _sds((5, 3))
+  assert lowered_text(fn, "tpu", *args).count(CUSTOM_CALL["tpu"]) == 15
+  assert CUSTOM_CALL["cuda"] not in lowered_text(fn, "cuda", *args)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_muon_transform_lowers(platform):
   params = {"w": _sds((256, 512)), "stack": _sds((3, 64, 128)), "b": _sds((512,))}
-  tx = muon(1e-3, stacked_axes=0, muon_weight_dimension_numbers={
+  tx = muon(1e-3, stacked_axes=0, impl="pallas", muon_weight_dimension_numbers={
       "w": pallasopt.optim.MuonDimensionNumbers(), "stack": pallasopt.optim.MuonDimensionNumbers(1, 2),
       "b": None})
   state = jax.eval_shape(tx.init, params)
