@@ -75,6 +75,7 @@ from pallasopt.kernels._elementwise import scalar_input
 __all__ = [
     "PRESETS",
     "REPEAT_LAST_PRESETS",
+    "FIXED_STEP_PRESETS",
     "PRECONDITIONINGS",
     "REGIMES",
     "coefficient_table",
@@ -128,9 +129,21 @@ PRESETS: dict[str, tuple[tuple[float, float, float], ...]] = {
     ),
     # DeepSeek-V4: 8 fast steps, then 2 stabilizing steps towards exactly 1.
     "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
+    # Five cubic steps (c = 0), as NVIDIA's 2026 MuOwn code ships them beside
+    # the tables above. Each polynomial peaks at 1.3; composed, they map
+    # singular values in [0.01, 1] into [0.77, 1.3]. Defined for 5 steps only.
+    "cubic5": (
+        (3.3656576, -3.3420992, 0.0),
+        (2.5744352, -1.4957376, 0.0),
+        (2.5368962, -1.4312570, 0.0),
+        (2.4418906, -1.2764040, 0.0),
+        (2.2230472, -0.9630650, 0.0),
+    ),
 }
 # Tables whose last row repeats when more steps are asked for; others cycle.
 REPEAT_LAST_PRESETS = ("polar_express", "cans", "deepseekv4")
+# Tables designed as a whole for one step count: neither cycled nor extended.
+FIXED_STEP_PRESETS = ("cubic5",)
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten", "none")
 REGIMES = ("auto", "resident", "tiled")
 
@@ -177,10 +190,14 @@ def coefficient_table(
 def preset_table(name: str, steps: int | None = None) -> np.ndarray:
   """A published table (`PRESETS`) expanded to ``steps`` rows by its rule.
 
-  ``steps=None`` gives the table as published.
+  ``steps=None`` gives the table as published. A `FIXED_STEP_PRESETS` table
+  takes only its own length.
   """
   if name not in PRESETS:
     raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}.")
+  rows = len(PRESETS[name])
+  if name in FIXED_STEP_PRESETS and steps not in (None, rows):
+    raise ValueError(f"preset {name!r} is defined for exactly {rows} steps; got steps={steps!r}.")
   rule = "repeat_last" if name in REPEAT_LAST_PRESETS else "cycle"
   return np.asarray(coefficient_table(np.asarray(PRESETS[name]), steps, rule))
 

@@ -263,7 +263,10 @@ def _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs):
     if ns_coeffs in OPTAX_PRESETS:
       coeffs = np.asarray(OPTAX_PRESETS[ns_coeffs], np.float32)
     elif ns_coeffs in ns.PRESETS:
-      return ns.preset_table(ns_coeffs, ns_steps)
+      try:
+        return ns.preset_table(ns_coeffs, ns_steps)
+      except ValueError as e:
+        raise ValueError(f"{_OWNER}: ns_coeffs={ns_coeffs!r}, ns_steps={ns_steps!r}: {e}") from e
     elif ns_coeffs == "custom":
       if custom_ns_coeffs is None:
         raise ValueError(f"{_OWNER}: ns_coeffs='custom' needs custom_ns_coeffs.")
@@ -354,15 +357,14 @@ def muon(
 
   * ``ns_coeffs`` also takes the presets of `newton_schulz.PRESETS`:
     ``"simple"``, ``"quintic"``, ``"polar_express"``, ``"cans"``, ``"aol"``,
-    ``"deepseekv4"`` (Emerging-Optimizers' tables), expanded to ``ns_steps``
-    rows by the preset's rule (``repeat_last`` for polar_express, cans and
-    deepseekv4, else ``cycle``; deepseekv4 is published with
-    ``ns_steps=10``), and ``"custom"`` with ``custom_ns_coeffs`` (cycled).
+    ``"deepseekv4"``, ``"cubic5"`` (Emerging-Optimizers' tables), expanded to
+    ``ns_steps`` rows by the preset's rule (``repeat_last`` for
+    polar_express, cans and deepseekv4, else ``cycle``; deepseekv4 is
+    published with ``ns_steps=10``; cubic5 takes exactly ``ns_steps=5``),
+    and ``"custom"`` with ``custom_ns_coeffs`` (cycled).
     ``ns_rule`` (``"cycle"``/``"repeat_last"``) expands a given table to
-    ``ns_steps`` rows instead of Optax's "one step per row". Emerging's
-    ``"cubic5"`` preset is not provided: no authoritative copy of its table
-    was available to us. Optax's ``"standard"`` and ``"dion"`` keep Optax's
-    semantics.
+    ``ns_steps`` rows instead of Optax's "one step per row". Optax's
+    ``"standard"`` and ``"dion"`` keep Optax's semantics.
   * ``iter_dtype``: float32 or bfloat16 Newton–Schulz iterates (f32
     accumulation); default: the momentum's dtype.
   * ``scale_mode`` (`SCALE_MODES`, see `shape_scale`) with

@@ -172,7 +172,7 @@ def _nesterov_hat(g, beta, style="optax"):
 
 @pytest.mark.parametrize("preset", sorted(ns.PRESETS))
 def test_every_preset_follows_its_table(preset):
-  steps = 10 if preset == "deepseekv4" else 3
+  steps = {"deepseekv4": 10, "cubic5": 5}.get(preset, 3)
   w = _params()["w"]
   tx = muon(0.1, ns_coeffs=preset, ns_steps=steps, impl="xla")
   state = tx.init({"w": w})
@@ -292,7 +292,8 @@ def test_stacked_axes_orthogonalize_each_matrix():
 @pytest.mark.parametrize(
     "kwargs,error",
     [
-        (dict(ns_coeffs="cubic5"), ValueError),
+        (dict(ns_coeffs="cubic7"), ValueError),
+        (dict(ns_coeffs="cubic5", ns_steps=3), ValueError),
         (dict(ns_coeffs=(1.0, 2.0)), ValueError),
         (dict(ns_coeffs=((1.0, 2.0, 3.0),) * 6), ValueError),
         (dict(ns_coeffs="custom"), ValueError),

@@ -101,7 +101,8 @@ def _promised_band(table, lo, hi):
 
 
 @pytest.mark.parametrize(
-    "preset,steps,kernel", [("simple", 5, True), ("polar_express", 8, False), ("cans", 5, False)]
+    "preset,steps,kernel",
+    [("simple", 5, True), ("polar_express", 8, False), ("cans", 5, False), ("cubic5", 5, True)],
 )
 def test_singular_values_lie_in_the_promised_band(preset, steps, kernel):
   rng = np.random.default_rng(4)
@@ -155,7 +156,8 @@ def test_regime_choice():
         (lambda x, t: ns.newton_schulz(x, t, impl="interpret", regime="tiled", tile=24), ValueError),
         (lambda x, t: ns.coefficient_table(_SIMPLE), ValueError),
         (lambda x, t: ns.coefficient_table(t, 3, "bounce"), ValueError),
-        (lambda x, t: ns.preset_table("cubic5"), ValueError),
+        (lambda x, t: ns.preset_table("cubic7"), ValueError),
+        (lambda x, t: ns.preset_table("cubic5", 6), ValueError),
     ],
 )
 def test_bad_input(call, error):
