@@ -8,8 +8,10 @@ jitted) timed in the same run as the baseline. The tiled regime computes only
 speed-up shows as a higher rate.
 
 Sizes: 1024², 4096², 4096×11008 and a stack of 64 × (256, 1024) (one leaf
-with ``stacked_axes=1``; Optax gets the matching dimension numbers). The
-``quick`` tier on a CPU host and the ``ci`` tier use tiny matrices.
+with ``stacked_axes=1``; Optax gets the matching dimension numbers), in f32;
+4096² and the stack again with bf16 params, whose iterates are bf16 in both
+implementations, so their rate is also given as a % of the bf16 matmul peak.
+The ``quick`` tier on a CPU host and the ``ci`` tier use tiny matrices.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ NS_STEPS = 5
 
 def _workload(shape: tuple[int, ...], dtype=jnp.float32) -> workloads.Workload:
   stacked = len(shape) - 2
-  label = "x".join(map(str, shape))
+  label = "x".join(map(str, shape)) + ("" if dtype == jnp.float32 else f"/{jnp.dtype(dtype).name}")
   tree = {"w": jax.ShapeDtypeStruct(shape, dtype)}
   return workloads.Workload("matrix" if not stacked else "stack", label, tree, stacked_axes=stacked)
 
@@ -64,10 +66,12 @@ def case(workload: workloads.Workload) -> harness.Case:
 
 def cases(tier: str) -> list[harness.Case]:
   on_cpu = jax.default_backend() == "cpu"
+  f32, bf16 = jnp.float32, jnp.bfloat16
   if tier == "ci" or (tier == "quick" and on_cpu):
-    shapes = [(64, 96), (4, 32, 64)]
+    shapes = [((64, 96), f32), ((4, 32, 64), f32), ((64, 96), bf16)]
   elif tier == "quick":
-    shapes = [(1024, 1024), (64, 256, 1024)]
+    shapes = [((1024, 1024), f32), ((64, 256, 1024), f32)]
   else:
-    shapes = [(1024, 1024), (4096, 4096), (4096, 11008), (64, 256, 1024)]
-  return [case(_workload(shape)) for shape in shapes]
+    shapes = [((1024, 1024), f32), ((4096, 4096), f32), ((4096, 11008), f32),
+              ((64, 256, 1024), f32), ((4096, 4096), bf16), ((64, 256, 1024), bf16)]
+  return [case(_workload(shape, dtype)) for shape, dtype in shapes]
