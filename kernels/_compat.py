@@ -14,6 +14,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from pallasopt.kernels._tiling import check_backend
+
 __all__ = [
     "JAX_VERSION",
     "pl",
@@ -53,13 +55,12 @@ def compiler_params(
   default). Triton: ``num_warps`` and ``num_stages``. Passing them always
   pins the GPU lowering to Triton on every supported jax release.
   """
+  check_backend(backend)
   if backend == "tpu":
     return TPUCompilerParams(
         dimension_semantics=tuple(dimension_semantics), vmem_limit_bytes=vmem_limit_bytes
     )
-  if backend == "triton":
-    return TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
-  raise ValueError(f"backend must be 'tpu' or 'triton'; got {backend!r}.")
+  return TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 if hasattr(jax, "shard_map"):

@@ -28,10 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from pallasopt.kernels._compat import pl
-from pallasopt.kernels._tiling import pow2_at_least
+from pallasopt.kernels._tiling import check_backend, pow2_at_least
 
 __all__ = [
-    "BACKENDS",
     "round_up",
     "pow2_at_least",
     "as_stack",
@@ -42,7 +41,6 @@ __all__ = [
     "matrix_spec",
 ]
 
-BACKENDS = ("tpu", "triton")
 # Triton dots need every dimension >= 16.
 _TRITON_MIN_DIM = 16
 _TPU_ALIGN = 128
@@ -50,11 +48,6 @@ _TPU_ALIGN = 128
 
 def round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
-
-
-def _check_backend(backend: str) -> None:
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be 'tpu' or 'triton'; got {backend!r}.")
 
 
 def as_stack(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
@@ -74,7 +67,7 @@ def from_stack(stack: jax.Array, lead: tuple[int, ...]) -> jax.Array:
 
 def padded_dims(rows: int, cols: int, backend: str) -> tuple[int, int]:
   """The smallest legal, efficient block dims holding a ``rows x cols`` matrix."""
-  _check_backend(backend)
+  check_backend(backend)
   if backend == "tpu":
     return round_up(rows, _TPU_ALIGN), round_up(cols, _TPU_ALIGN)
   return (

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from pallasopt.kernels import _compat
 from pallasopt.kernels._compat import pl, pltriton
 from pallasopt.kernels._elementwise import scalar_input
-from pallasopt.kernels._tiling import plan_tiles, pow2_at_least
+from pallasopt.kernels._tiling import check_backend, plan_tiles, pow2_at_least
 
 __all__ = [
     "FULL",
@@ -123,17 +123,16 @@ def plan_matrix(shape: tuple[int, int, int], backend: str) -> BlockPlan:
   at most 128 columns and 4096 elements, masked where ragged.
   """
   p, r, c = shape
+  check_backend(backend)
   if min(shape) <= 0:
     raise ValueError(f"cannot tile an empty view {shape}.")
   if backend == "tpu":
     bc = c if c <= _TPU_MAX_COLS else _TPU_MAX_COLS
     max_rows = max(8, _pow2_at_most(_TPU_BLOCK_ELEMENTS // bc))
     br = r if r <= max_rows else max_rows
-  elif backend == "triton":
+  else:
     bc = min(pow2_at_least(c), _TRITON_MAX_COLS)
     br = min(pow2_at_least(r), _TRITON_BLOCK_ELEMENTS // bc)
-  else:
-    raise ValueError(f"backend must be 'tpu' or 'triton'; got {backend!r}.")
   return BlockPlan((p, r, c), (br, bc))
 
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["LANES", "TilePlan", "plan_tiles", "pow2_at_least"]
+__all__ = ["BACKENDS", "LANES", "TilePlan", "check_backend", "plan_tiles", "pow2_at_least"]
 
+# The Pallas targets every kernel is written for: Mosaic TPU and Triton.
+BACKENDS = ("tpu", "triton")
 LANES = 128
 # Rows of a block: a multiple of 16 so bf16 operands fill whole packed tiles.
 _MIN_ROWS = 16
@@ -62,6 +64,12 @@ def pow2_at_least(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
 
+def check_backend(backend: str) -> None:
+  """Raises a ValueError naming ``backend`` unless it is one of `BACKENDS`."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be 'tpu' or 'triton'; got {backend!r}.")
+
+
 def plan_tiles(size: int, backend: str) -> TilePlan:
   """Plans the view and blocks of a leaf with `size` elements.
 
@@ -69,8 +77,7 @@ def plan_tiles(size: int, backend: str) -> TilePlan:
     size: element count of the leaf (0-d leaves have size 1).
     backend: ``"tpu"`` or ``"triton"``; picks the block size.
   """
-  if backend not in _MAX_ROWS:
-    raise ValueError(f"backend must be 'tpu' or 'triton'; got {backend!r}.")
+  check_backend(backend)
   if size <= 0:
     raise ValueError(f"cannot tile an empty leaf (size={size}).")
   if size % LANES == 0:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from pallasopt import kernels
-from pallasopt.kernels import _dispatch
+from pallasopt.kernels import _compat, _dispatch, _matrix, _reduction
 from pallasopt.kernels._tiling import LANES, plan_tiles
 
 
@@ -45,9 +45,18 @@ def test_plan_rejects_empty_sizes(bad):
     plan_tiles(bad, "tpu")
 
 
-def test_plan_rejects_unknown_backend():
-  with pytest.raises(ValueError, match="backend must be"):
-    plan_tiles(128, "rocm")
+@pytest.mark.parametrize(
+    "plan",
+    [
+        lambda b: plan_tiles(128, b),
+        lambda b: _matrix.padded_dims(16, 16, b),
+        lambda b: _reduction.plan_matrix((1, 8, 128), b),
+        lambda b: _compat.compiler_params(b, ("parallel",)),
+    ],
+)
+def test_every_planner_rejects_an_unknown_backend(plan):
+  with pytest.raises(ValueError, match="backend must be 'tpu' or 'triton'; got 'rocm'"):
+    plan("rocm")
 
 
 def test_resolve_impl_precedence(monkeypatch):
