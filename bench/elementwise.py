@@ -104,6 +104,7 @@ class ElementwiseFamily:
         pallasopt_tx=lambda impl: self.pallasopt_factory(**kwargs, impl=impl),
         bytes=self.fused_bytes(workload.tree, mu),
         update_bytes=self.update_bytes(workload.tree, decays, mu),
+        auto_on_cuda="xla",  # kernels/adamw.py, kernels/lion.py
     )
 
   def cases(self, tier: str) -> list[harness.Case]:

@@ -25,6 +25,12 @@ Math is f32 inside the kernel whatever the operand dtypes (f32 or bf16); ``m``
 keeps its dtype (``mu_dtype``). Every per-step number is a `LionScalars`
 field, passed to the kernel as data, so a changing learning rate never
 recompiles.
+
+Dispatch: as for AdamW, ``impl="auto"`` runs the Mosaic kernel on TPU and the
+XLA reference on CUDA GPUs. Measured on an H100 (bench/results/
+nvidia-h100-80gb-hbm3, commit 5e874f6, against jitted Optax): the in-place
+step 0.66x Optax's speed on a 4K leaf, 0.99-1.00x from 16M up;
+``update`` + ``apply_updates`` 0.48-0.72x. ``impl="pallas"`` still runs Triton.
 """
 
 from __future__ import annotations
@@ -143,9 +149,11 @@ def lion_apply(p, g, m, scalars: LionScalars, *, decay: bool = True, impl: str =
     decay: whether weight decay applies to this leaf.
     impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`).
   """
-  return dispatch(lion_reference, lion_kernel, impl)(p, g, m, scalars, mode="apply", decay=decay)
+  fn = dispatch(lion_reference, lion_kernel, impl, auto_on_cuda="xla")
+  return fn(p, g, m, scalars, mode="apply", decay=decay)
 
 
 def lion_updates(p, g, m, scalars: LionScalars, *, decay: bool = True, impl: str = "auto"):
   """Lion in Optax form: returns ``(u, m)``; ``p`` may be None without decay."""
-  return dispatch(lion_reference, lion_kernel, impl)(p, g, m, scalars, mode="updates", decay=decay)
+  fn = dispatch(lion_reference, lion_kernel, impl, auto_on_cuda="xla")
+  return fn(p, g, m, scalars, mode="updates", decay=decay)

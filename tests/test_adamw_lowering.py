@@ -39,7 +39,7 @@ def test_adamw_kernel_lowers(platform, shape, mode, nesterov, decay, dtypes):
   p, g, m, v = (_sds(shape, d) for d in dtypes)
   scalars = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
   entry = adamw_k.adamw_apply if mode == "apply" else adamw_k.adamw_updates
-  fn = lambda p, g, m, v, s: entry(p, g, m, v, s, nesterov=nesterov, decay=decay, impl="auto")
+  fn = lambda p, g, m, v, s: entry(p, g, m, v, s, nesterov=nesterov, decay=decay, impl="pallas")
   text = lowered_text(fn, platform, p, g, m, v, scalars)
   assert text.count(CUSTOM_CALL[platform]) >= 1
 
@@ -48,13 +48,22 @@ def test_adamw_kernel_lowers(platform, shape, mode, nesterov, decay, dtypes):
 def test_adamw_transform_lowers_with_one_kernel_per_leaf(platform):
   params = {"w": _sds((768, 3072)), "b": _sds((3072,)), "ln": _sds((7,), jnp.bfloat16), "s": _sds(())}
   tx = pallasopt.optim.adamw(optax.cosine_decay_schedule(1e-3, 100), weight_decay=0.1,
-                             mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+                             mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p), impl="pallas")
   state = jax.eval_shape(tx.init, params)
   fused = functools.partial(pallasopt.optim.apply_gradients, tx)
   text = lowered_text(fused, platform, params, params, state)
   assert text.count(CUSTOM_CALL[platform]) == len(params)
   update = lambda p, g, s: tx.update(g, s, p)
   assert lowered_text(update, platform, params, params, state).count(CUSTOM_CALL[platform]) == len(params)
+
+
+def test_auto_runs_mosaic_on_tpu_and_xla_on_cuda():
+  # On CUDA GPUs XLA's fused update was never slower than Triton's (module doc).
+  x = _sds((4096,))
+  scalars = adamw_k.adamw_scalars(jnp.int32(1), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
+  fn = lambda *a: adamw_k.adamw_apply(*a, impl="auto")
+  assert lowered_text(fn, "tpu", x, x, x, x, scalars).count(CUSTOM_CALL["tpu"]) == 1
+  assert CUSTOM_CALL["cuda"] not in lowered_text(fn, "cuda", x, x, x, x, scalars)
 
 
 def test_auto_on_cpu_lowers_to_plain_xla():

@@ -162,9 +162,9 @@ def test_kernel_labels_follow_each_familys_cuda_dispatch():
   assert harness.kernel_label("auto", "gpu", auto_on_cuda="xla") == "xla"
   assert harness.kernel_label("pallas", "gpu", auto_on_cuda="xla") == "triton"
   assert harness.kernel_label("auto", "tpu", auto_on_cuda="xla") == "mosaic"
-  # Newton-Schulz's "auto" is XLA on CUDA (kernels/newton_schulz.py).
-  assert {c.auto_on_cuda for c in kernels.cases("ci", ("muon",))} == {"xla"}
-  assert {c.auto_on_cuda for c in kernels.cases("ci", ("adamw", "kron"))} == {"pallas"}
+  # AdamW's, Lion's and Newton-Schulz's "auto" is XLA on CUDA (their modules' docs).
+  assert {c.auto_on_cuda for c in kernels.cases("ci", ("adamw", "lion", "muon"))} == {"xla"}
+  assert {c.auto_on_cuda for c in kernels.cases("ci", ("adafactor", "kron"))} == {"pallas"}
 
 
 def test_kernel_impls_that_run_the_same_kernel_are_timed_once(tmp_path, capsys):

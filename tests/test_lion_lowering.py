@@ -35,7 +35,7 @@ KERNEL_CASES = [
 def test_lion_kernel_lowers(platform, shape, mode, decay, dtypes):
   p, g, m = (sds(shape, d) for d in dtypes)
   entry = lion_k.lion_apply if mode == "apply" else lion_k.lion_updates
-  fn = lambda p, g, m, s: entry(p, g, m, s, decay=decay, impl="auto")
+  fn = lambda p, g, m, s: entry(p, g, m, s, decay=decay, impl="pallas")
   text = lowered_text(fn, platform, p, g, m, SCALARS)
   assert text.count(CUSTOM_CALL[platform]) == 1
 
@@ -44,12 +44,19 @@ def test_lion_kernel_lowers(platform, shape, mode, decay, dtypes):
 def test_lion_transform_lowers_with_one_kernel_per_leaf(platform):
   params = {"w": sds((768, 3072)), "b": sds((3072,)), "ln": sds((7,), jnp.bfloat16), "s": sds(())}
   tx = lion(optax.cosine_decay_schedule(1e-4, 100), weight_decay=0.1, mu_dtype=jnp.bfloat16,
-            mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+            mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p), impl="pallas")
   state = jax.eval_shape(tx.init, params)
   fused = functools.partial(apply_gradients, tx)
   assert lowered_text(fused, platform, params, params, state).count(CUSTOM_CALL[platform]) == len(params)
   update = lambda p, g, s: tx.update(g, s, p)
   assert lowered_text(update, platform, params, params, state).count(CUSTOM_CALL[platform]) == len(params)
+
+
+def test_auto_runs_mosaic_on_tpu_and_xla_on_cuda():
+  x = sds((4096,))
+  fn = lambda *a: lion_k.lion_apply(*a, impl="auto")
+  assert lowered_text(fn, "tpu", x, x, x, SCALARS).count(CUSTOM_CALL["tpu"]) == 1
+  assert CUSTOM_CALL["cuda"] not in lowered_text(fn, "cuda", x, x, x, SCALARS)
 
 
 def test_auto_on_cpu_lowers_to_plain_xla():
