@@ -113,6 +113,12 @@ def test_three_steps_equal_the_unpipelined_model(name, clip):
   run_and_compare(name, clip, CircularSchedule(S, M, R, lps, streamed_io=streamed))
 
 
+def test_kron_with_several_layers_per_stage_draws_each_layers_own_probe():
+  # Kron's probes are drawn per global layer; with 2 layers per stage and 2
+  # repeats the stage-local layer index must map back through both.
+  run_and_compare("kron", None, CircularSchedule(2, 2, 2, 2))
+
+
 def test_gradient_accumulation():
   # The clip then applies to the averaged gradient, whose norm the stage-local
   # step takes with its own scalar psum over the stage axis.
