@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 
 from pallasopt import kernels
 from pallasopt.kernels import _compat, _dispatch, _matrix, _reduction
+from pallasopt.kernels import adamw as adamw_k
 from pallasopt.kernels._tiling import LANES, plan_tiles
 
 
@@ -84,10 +85,11 @@ def test_bad_impl_values_are_named(monkeypatch):
     kernels.resolve_impl()
 
 
-def _kernel_calls(impl):
+def _kernel_calls(impl, auto_on_cuda="pallas"):
   s = kernels.adamw_scalars(1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0)
   x = jnp.ones((256,))
-  jaxpr = jax.make_jaxpr(lambda *a: kernels.adamw_apply(*a, s, impl=impl))(x, x, x, x)
+  fn = _dispatch.dispatch(adamw_k.adamw_reference, adamw_k.adamw_kernel, impl, auto_on_cuda=auto_on_cuda)
+  jaxpr = jax.make_jaxpr(lambda *a: fn(*a, s, mode="apply", nesterov=False, decay=True))(x, x, x, x)
   return str(jaxpr)
 
 
@@ -95,6 +97,10 @@ def test_auto_carries_every_platform_branch_and_xla_carries_none():
   auto = _kernel_calls("auto")
   assert auto.count("pallas_call") == 2  # Mosaic TPU + Triton; default is XLA.
   assert "platform_index" in auto
+  # A family whose CUDA "auto" is XLA carries only the Mosaic kernel.
+  assert _kernel_calls("auto", auto_on_cuda="xla").count("pallas_call") == 1
+  with pytest.raises(ValueError, match="auto_on_cuda must be 'pallas' or 'xla'"):
+    _kernel_calls("auto", auto_on_cuda="triton")
   assert "pallas_call" not in _kernel_calls("xla")
   interpret = _kernel_calls("interpret")
   assert interpret.count("pallas_call") == 1 and "platform_index" not in interpret
