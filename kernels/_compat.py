@@ -48,14 +48,18 @@ def compiler_params(
     num_warps: int = 4,
     num_stages: int = 2,
     vmem_limit_bytes: int | None = None,
+    interpret: bool = False,
 ):
   """Explicit compiler params for ``backend``, as every pallas_call passes them.
 
   TPU: the grid's ``dimension_semantics`` (and a VMEM limit, None for the
   default). Triton: ``num_warps`` and ``num_stages``. Passing them always
-  pins the GPU lowering to Triton on every supported jax release.
+  pins the GPU lowering to Triton on every supported jax release. None when
+  ``interpret``: the Pallas interpreter takes no compiler params.
   """
   check_backend(backend)
+  if interpret:
+    return None
   if backend == "tpu":
     return TPUCompilerParams(
         dimension_semantics=tuple(dimension_semantics), vmem_limit_bytes=vmem_limit_bytes

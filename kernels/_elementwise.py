@@ -172,7 +172,6 @@ def elementwise_call(
     scalar_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
   else:
     scalar_spec = pl.BlockSpec((_triton_scalar_width(len(scalars)),), lambda i, j: (0,))
-  params = _compat.compiler_params(backend, ("parallel", "parallel"))
 
   kernel = functools.partial(
       _kernel, body=body, num_scalars=len(scalars), num_operands=len(operands),
@@ -186,7 +185,9 @@ def elementwise_call(
       out_specs=[block] * len(out_dtypes),
       # Operand i is pallas_call input i + 1: input 0 is the scalar vector.
       input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
-      compiler_params=None if interpret else params,
+      compiler_params=_compat.compiler_params(
+          backend, ("parallel", "parallel"), interpret=interpret
+      ),
       interpret=interpret,
       name=name,
       cost_estimate=pl.CostEstimate(

@@ -300,7 +300,7 @@ def reduce_call(
       grid=plan.grid,
       in_specs=[scalar_spec] + [_in_spec(k, plan) for k in kinds],
       out_specs=out_specs,
-      compiler_params=None if interpret else _compat.compiler_params(backend, semantics),
+      compiler_params=_compat.compiler_params(backend, semantics, interpret=interpret),
       interpret=interpret,
       name=name,
       cost_estimate=pl.CostEstimate(
@@ -382,7 +382,7 @@ def broadcast_call(
       out_specs=[_in_spec(FULL, plan)] * len(out_dtypes),
       # Operand i is pallas_call input i + 1: input 0 is the scalar vector.
       input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
-      compiler_params=None if interpret else _compat.compiler_params(backend, ("parallel",) * 3),
+      compiler_params=_compat.compiler_params(backend, ("parallel",) * 3, interpret=interpret),
       interpret=interpret,
       name=name,
       cost_estimate=pl.CostEstimate(

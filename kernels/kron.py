@@ -467,6 +467,14 @@ def _plan_view(m: int, n: int, left: str, right: str, backend: str) -> _View:
   return _View(m, n, left, right, rows, cols)
 
 
+def _layer_compiler_params(backend: str, interpret: bool):
+  """Both Kron kernels: one program per layer, its blocks whole in VMEM/SRAM."""
+  return _compat.compiler_params(
+      backend, ("parallel",), num_warps=4, num_stages=1, vmem_limit_bytes=_TPU_VMEM_LIMIT,
+      interpret=interpret,
+  )
+
+
 def _fits(view: _View, backend: str) -> bool:
   """Whether a layer's blocks fit one grid step (else the reference runs)."""
   if backend == "triton":
@@ -582,10 +590,7 @@ def kron_precondition_kernel(
       in_specs=in_specs,
       out_specs=[_matrix.matrix_spec(dims)] * len(out_dtypes),
       input_output_aliases=aliases,
-      compiler_params=None if interpret else _compat.compiler_params(
-          backend, ("parallel",), num_warps=4, num_stages=1,
-          vmem_limit_bytes=_TPU_VMEM_LIMIT,
-      ),
+      compiler_params=_layer_compiler_params(backend, interpret),
       interpret=interpret,
       name=f"kron_precondition_{mode}",
       cost_estimate=pl.CostEstimate(
@@ -680,10 +685,7 @@ def kron_factor_update_kernel(
                 _matrix.matrix_spec((rows, cols))],
       out_specs=_matrix.matrix_spec(q_block),
       input_output_aliases={1: 0},
-      compiler_params=None if interpret else _compat.compiler_params(
-          backend, ("parallel",), num_warps=4, num_stages=1,
-          vmem_limit_bytes=_TPU_VMEM_LIMIT,
-      ),
+      compiler_params=_layer_compiler_params(backend, interpret),
       interpret=interpret,
       name=f"kron_factor_update_{'dense' if dense else 'diag'}",
       cost_estimate=pl.CostEstimate(

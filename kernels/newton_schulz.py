@@ -375,7 +375,7 @@ def _resident(stack, coeffs, *, preconditioning, eps, dtype, out_dtype, backend,
   scalar_vec, scalar_spec = scalar_input(scalars, backend)
   params = _compat.compiler_params(
       backend, ("parallel",), num_warps=_TRITON_RESIDENT_WARPS, num_stages=1,
-      vmem_limit_bytes=_resident_bytes(dims) + _TPU_VMEM_HEADROOM,
+      vmem_limit_bytes=_resident_bytes(dims) + _TPU_VMEM_HEADROOM, interpret=interpret,
   )
   kernel = functools.partial(
       _resident_kernel, steps=steps, preconditioning=preconditioning, dtype=dtype
@@ -386,7 +386,7 @@ def _resident(stack, coeffs, *, preconditioning, eps, dtype, out_dtype, backend,
       grid=(batch,),
       in_specs=[scalar_spec, _matrix.matrix_spec(dims)],
       out_specs=_matrix.matrix_spec(dims),
-      compiler_params=None if interpret else params,
+      compiler_params=params,
       interpret=interpret,
       name="newton_schulz_resident",
       cost_estimate=_cost(batch, m, n, steps, jnp.dtype(stack.dtype).itemsize, symmetric=False),
@@ -503,7 +503,8 @@ def _tiled_call(
     scratch = []
     semantics = ("parallel",) * 3
   params = _compat.compiler_params(
-      backend, semantics, num_warps=_TRITON_TILED_WARPS, num_stages=_TRITON_TILED_STAGES
+      backend, semantics, num_warps=_TRITON_TILED_WARPS, num_stages=_TRITON_TILED_STAGES,
+      interpret=interpret,
   )
   kernel = functools.partial(
       _tiled_body, kinds=kinds, prologue=prologue, epilogue=epilogue, nt=nt,
@@ -518,7 +519,7 @@ def _tiled_call(
       in_specs=[scalar_spec] + in_specs,
       out_specs=out_spec,
       scratch_shapes=scratch,
-      compiler_params=None if interpret else params,
+      compiler_params=params,
       interpret=interpret,
       name=name,
       cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes),

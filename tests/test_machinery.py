@@ -60,6 +60,14 @@ def test_every_planner_rejects_an_unknown_backend(plan):
     plan("rocm")
 
 
+def test_interpreted_calls_get_no_compiler_params():
+  for backend in ("tpu", "triton"):
+    assert _compat.compiler_params(backend, ("parallel",), interpret=True) is None
+    assert _compat.compiler_params(backend, ("parallel",)) is not None
+  with pytest.raises(ValueError, match="backend must be"):
+    _compat.compiler_params("rocm", ("parallel",), interpret=True)
+
+
 def test_resolve_impl_precedence(monkeypatch):
   monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
   assert kernels.resolve_impl() == "auto"
