@@ -60,17 +60,12 @@ __all__ = [
 ]
 
 _OWNER = "pallasopt.optim.muon"
-_DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
-# Optax's own preset names (used with Optax's step semantics).
+_DEFAULT_NS_COEFFS = ns.PRESETS["simple"][0]
+# Optax's own preset names (used with Optax's step semantics): the same
+# numbers as Emerging-Optimizers' "simple" and "quintic" tables.
 OPTAX_PRESETS: dict[str, Any] = {
     "standard": _DEFAULT_NS_COEFFS,
-    "dion": (
-        (4.0848, -6.8946, 2.9270),
-        (3.9505, -6.3029, 2.6377),
-        (3.7418, -5.5913, 2.3037),
-        (2.8769, -3.1427, 1.2046),
-        (2.8366, -3.0525, 1.2012),
-    ),
+    "dion": ns.PRESETS["quintic"],
 }
 SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
 SECOND_MOMENTS = ("adamuon", "normuon", "namo")
