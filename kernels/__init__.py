@@ -17,7 +17,15 @@ dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
 """
 
 from pallasopt.kernels import adafactor, adamw, kron, lion, newton_schulz
-from pallasopt.kernels._dispatch import IMPLS, Impl, resolve_impl, use_impl
+from pallasopt.kernels._dispatch import (
+    IMPLS,
+    PLATFORMS,
+    Impl,
+    lowering_platforms,
+    resolve_impl,
+    target_platforms,
+    use_impl,
+)
 from pallasopt.kernels._tiling import TilePlan, plan_tiles
 from pallasopt.kernels.adamw import (
     AdamWScalars,
@@ -55,6 +63,9 @@ __all__ = [
     "Impl",
     "resolve_impl",
     "use_impl",
+    "lowering_platforms",
+    "target_platforms",
+    "PLATFORMS",
     "TilePlan",
     "plan_tiles",
     # Family modules.

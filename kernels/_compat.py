@@ -26,6 +26,9 @@ __all__ = [
     "shard_map",
     "lowering_platform",
     "compiler_params",
+    "explicit_spec",
+    "reshard_like",
+    "gathered",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -96,3 +99,35 @@ def lowering_platform(platform: str) -> Iterator[None]:
   mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
   with jax.sharding.use_abstract_mesh(mesh):
     yield
+
+
+def explicit_spec(x) -> jax.sharding.PartitionSpec | None:
+  """``x``'s sharding as its type carries it (Explicit mesh axes), or None.
+
+  None means the type says nothing (no mesh, Auto axes, or a replicated
+  value): XLA's partitioner, not the type system, decides.
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if not isinstance(spec, jax.sharding.PartitionSpec) or all(s is None for s in spec):
+    return None
+  return spec
+
+
+def reshard_like(tree, like):
+  """``tree`` with every leaf resharded to the explicit sharding of ``like``'s."""
+
+  def one(x, ref):
+    spec = explicit_spec(ref)
+    if spec is None and explicit_spec(x) is None:
+      return x
+    return jax.sharding.reshard(x, spec or jax.sharding.PartitionSpec())
+
+  return jax.tree.map(one, tree, like)
+
+
+def gathered(x):
+  """``x`` replicated if its type is sharded over Explicit axes, else ``x``."""
+  if explicit_spec(x) is None:
+    return x
+  return jax.sharding.reshard(x, jax.sharding.PartitionSpec())

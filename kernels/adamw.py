@@ -179,7 +179,7 @@ def adamw_apply(
     decay: whether weight decay applies to this leaf.
     impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`).
   """
-  fn = dispatch(adamw_reference, adamw_kernel, impl, auto_on_cuda="xla")
+  fn = dispatch(adamw_reference, adamw_kernel, impl, auto_on_cuda="xla", elementwise=True)
   return fn(p, g, m, v, scalars, mode="apply", nesterov=nesterov, decay=decay)
 
 
@@ -188,5 +188,5 @@ def adamw_updates(
     decay: bool = True, impl: str = "auto",
 ):
   """AdamW in Optax form: returns ``(u, m, v)``; ``p`` may be None without decay."""
-  fn = dispatch(adamw_reference, adamw_kernel, impl, auto_on_cuda="xla")
+  fn = dispatch(adamw_reference, adamw_kernel, impl, auto_on_cuda="xla", elementwise=True)
   return fn(p, g, m, v, scalars, mode="updates", nesterov=nesterov, decay=decay)

@@ -149,11 +149,11 @@ def lion_apply(p, g, m, scalars: LionScalars, *, decay: bool = True, impl: str =
     decay: whether weight decay applies to this leaf.
     impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`).
   """
-  fn = dispatch(lion_reference, lion_kernel, impl, auto_on_cuda="xla")
+  fn = dispatch(lion_reference, lion_kernel, impl, auto_on_cuda="xla", elementwise=True)
   return fn(p, g, m, scalars, mode="apply", decay=decay)
 
 
 def lion_updates(p, g, m, scalars: LionScalars, *, decay: bool = True, impl: str = "auto"):
   """Lion in Optax form: returns ``(u, m)``; ``p`` may be None without decay."""
-  fn = dispatch(lion_reference, lion_kernel, impl, auto_on_cuda="xla")
+  fn = dispatch(lion_reference, lion_kernel, impl, auto_on_cuda="xla", elementwise=True)
   return fn(p, g, m, scalars, mode="updates", decay=decay)

@@ -1,7 +1,5 @@
 """The fused-transform type and the `apply_gradients` entry point."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Any
 

@@ -11,10 +11,15 @@ come from Optax's own ``init``) and replaces the three passes with one kernel
 per leaf, in ``"updates"`` mode for ``update`` and in ``"apply"`` mode for the
 fused ``apply_gradients``. A family supplies only its kernels and how to build
 its per-step scalars.
+
+Leaves the kernels do not take (float16, float64, complex or integer params,
+grads or moments) are updated by Optax's own scaling transform for that leaf
+(``scale_by_X``, the same hyperparameters), then decayed and scaled by the
+learning rate as Optax's chain does, in every ``impl``: their numbers and
+dtypes are Optax's.
 """
 
-from __future__ import annotations
-
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -68,6 +73,7 @@ def elementwise_transform(
     scalars: ScalarsFn,
     apply_kernel: KernelFn,
     updates_kernel: KernelFn,
+    optax_scaling: optax.GradientTransformation,
 ) -> FusedGradientTransformation:
   """Builds an elementwise optimizer with Optax's state tree and a fused apply.
 
@@ -89,10 +95,12 @@ def elementwise_transform(
     apply_kernel: ``(p, g, *moments, scalars, decay=, impl=) -> (p + u,
       *moments)``.
     updates_kernel: the same returning ``(u, *moments)``; ``p`` may be None.
+    optax_scaling: Optax's ``scale_by_X`` with the same hyperparameters, run
+      on the leaves whose dtypes no kernel takes.
   """
   _check_hyperparameters(owner, learning_rate, weight_decay, betas, nonnegative or {})
   resolve_impl(impl)
-  mu_dtype = v.optional_float_dtype(owner, "mu_dtype", mu_dtype)
+  mu_dtype = v.optional_dtype(owner, "mu_dtype", mu_dtype)
   first_moment = state_cls._fields[1]
   num_moments = len(state_cls._fields) - 1
   # Optax builds these two states; reusing their init keeps ours identical.
@@ -100,12 +108,20 @@ def elementwise_transform(
   lr_tx = optax.scale_by_learning_rate(learning_rate)
   never_decays = isinstance(weight_decay, (int, float)) and weight_decay == 0
 
+  def optax_leaf(p, g, ms, count, learning_rate_now, weight_decay_now, decay, mode):
+    """One leaf by Optax's math, in the leaf's own dtypes: (first, *moments)."""
+    (u,), new = optax_scaling.update([g], state_cls(count, *([m] for m in ms)), [p])
+    if decay:
+      u = u + weight_decay_now * p
+    u = jnp.asarray(-learning_rate_now, jnp.result_type(u)) * u
+    first = optax.apply_updates(p, u) if mode == "apply" else u
+    return (first, *(m for (m,) in new[1:]))
+
   def init_fn(params):
-    v.check_float_leaves(owner, "params", params)
     # The first moment in mu_dtype, the others (and mu by default) as the params.
     dtypes = [mu_dtype] + [None] * (num_moments - 1)
     moments = [
-        jax.tree.map(lambda p, d=d: jnp.zeros(p.shape, d or p.dtype), params) for d in dtypes
+        jax.tree.map(lambda p, d=d: jnp.zeros_like(p, d or p.dtype), params) for d in dtypes
     ]
     return state_cls(jnp.zeros([], jnp.int32), *moments), decay_tx.init(params), lr_tx.init(params)
 
@@ -113,7 +129,6 @@ def elementwise_transform(
     moment_state, decay_state, lr_state = state
     moments = moment_state[1:]
     v.check_same_tree(owner, "grads", grads, f"opt_state.{first_moment}", moments[0])
-    v.check_float_leaves(owner, "grads", grads)
     num_leaves = len(jax.tree.leaves(grads))
     decays = [False] * num_leaves if never_decays else v.broadcast_mask(owner, mask, grads)
     ps = v.checked_param_leaves(owner, params, grads, mode=mode, decays=decays)
@@ -121,16 +136,26 @@ def elementwise_transform(
     count = optax.safe_increment(moment_state.count)
     if learning_rate_now is None:
       learning_rate_now = schedule_value(learning_rate, lr_state)
-    step_scalars = scalars(
-        count, learning_rate_now, schedule_value(weight_decay, decay_state),
-        1.0 if grad_scale is None else grad_scale,
-    )
+    weight_decay_now = schedule_value(weight_decay, decay_state)
     kernel = apply_kernel if mode == "apply" else updates_kernel
+
+    @functools.cache
+    def step_scalars():  # built only if some leaf runs a kernel
+      return scalars(
+          count, learning_rate_now, weight_decay_now, 1.0 if grad_scale is None else grad_scale
+      )
+
+    def leaf_step(p, g, *ms, decay):
+      if v.kernel_dtypes(p, g, *ms):
+        return kernel(p, g, *ms, step_scalars(), decay=decay, impl=impl)
+      if grad_scale is not None:
+        g = (g * grad_scale).astype(g.dtype)
+      return optax_leaf(
+          p, g, ms, moment_state.count, learning_rate_now, weight_decay_now, decay, mode
+      )
+
     columns = (ps, jax.tree.leaves(grads), *map(jax.tree.leaves, moments), decays)
-    results = [
-        kernel(p, g, *ms, step_scalars, decay=d, impl=impl)
-        for p, g, *ms, d in zip(*columns, strict=True)
-    ]
+    results = [leaf_step(p, g, *ms, decay=d) for p, g, *ms, d in zip(*columns, strict=True)]
     treedef = jax.tree.structure(grads)
     by_output = list(zip(*results, strict=True)) or [()] * (1 + num_moments)
     first, *new_moments = (treedef.unflatten(column) for column in by_output)

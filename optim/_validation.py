@@ -72,6 +72,26 @@ def optional_float_dtype(owner: str, name: str, dtype: Any) -> jnp.dtype | None:
   return dtype
 
 
+def optional_dtype(owner: str, name: str, dtype: Any) -> jnp.dtype | None:
+  """`dtype` as a `jnp.dtype` (any JAX dtype, as Optax accepts), or None."""
+  if dtype is None:
+    return None
+  try:
+    return jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"{owner}: {name} must be a dtype or None; got {dtype!r}.") from None
+
+
+def kernel_dtypes(*leaves: Any) -> bool:
+  """Whether a fused kernel takes these leaves (None entries are ignored).
+
+  The kernels compute in f32 from float32 or bfloat16 operands; any other
+  dtype (float16, float64, complex, integer) runs the reference of Optax's
+  math instead.
+  """
+  return all(x is None or jnp.result_type(x) in SUPPORTED_DTYPES for x in leaves)
+
+
 def _concrete_value(value: Any) -> float | None:
   """The float value of a concrete scalar; None for tracers and schedules."""
   if callable(value) or isinstance(value, jax.core.Tracer):
@@ -185,7 +205,6 @@ def checked_param_leaves(
   """
   if params is not None:
     check_same_tree(owner, "params", params, "grads", grads)
-    check_float_leaves(owner, "params", params)
     return jax.tree.leaves(params)
   if mode == "apply" or any(decays):
     raise ValueError(

@@ -1,7 +1,6 @@
 """Adafactor as a drop-in for `optax.adafactor`, backed by the fused Adafactor kernels."""
 
-from __future__ import annotations
-
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +52,7 @@ def adafactor(
     factored: bool = True,
     weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
     *,
-    stacked_axes: int = 0,
+    stacked_axes: int | None = None,
     impl: str = "auto",
 ) -> FusedGradientTransformation:
   r"""Adafactor with factored second moments, fused per leaf.
@@ -123,7 +122,12 @@ def adafactor(
     weight_decay_mask: a tree of bools (or a prefix of the params tree, or a
       callable returning one) selecting the leaves that decay.
     stacked_axes: number of leading stacked-layer axes of every leaf (see
-      above). A static int.
+      above). A static int; None (the default) means 0, and keeps it out of
+      ``optax.inject_hyperparams``' traced hyperparameters.
+
+  Dtypes: float32 and bfloat16 leaves run the fused kernel; any other leaf
+  Optax accepts (float16, float64, complex) runs Optax's own chain for that
+  leaf, in its dtype, in every ``impl``.
     impl: ``"auto" | "pallas" | "interpret" | "xla"``; see
       `pallasopt.kernels.use_impl`.
 
@@ -140,7 +144,8 @@ def adafactor(
   hint = dict(static_args="ADAFACTOR_STATIC_ARGS")
   min_dim_size_to_factor = v.static_int(
       _OWNER, "min_dim_size_to_factor", min_dim_size_to_factor, **hint)
-  stacked_axes = v.static_int(_OWNER, "stacked_axes", stacked_axes, **hint)
+  stacked_axes = v.static_int(
+      _OWNER, "stacked_axes", 0 if stacked_axes is None else stacked_axes, **hint)
   inf = float("inf")
   for name, value, low, high in (
       ("learning_rate", learning_rate, 0.0, inf),
@@ -162,11 +167,7 @@ def adafactor(
           f"{_OWNER}: dtype_momentum must be a dtype, not an array; under "
           "optax.inject_hyperparams pass static_args=ADAFACTOR_STATIC_ARGS."
       )
-    dtype_momentum = jnp.dtype(dtype_momentum)
-    if dtype_momentum not in v.SUPPORTED_DTYPES:
-      raise TypeError(
-          f"{_OWNER}: dtype_momentum must be float32, bfloat16 or None; got {dtype_momentum}."
-      )
+    dtype_momentum = v.optional_dtype(_OWNER, "dtype_momentum", dtype_momentum)
 
   # Optax's chain after scale_by_factored_rms: their init gives our states.
   links = {}
@@ -195,8 +196,31 @@ def adafactor(
     treedef = jax.tree.structure(params)
     return [treedef.unflatten(column) for column in zip(*shapes)] if shapes else [params] * 3
 
+  factored_rms = optax.scale_by_factored_rms(
+      factored, decay_rate, decay_offset, min_dim_size_to_factor, eps
+  )
+
+  def optax_leaf(p, g, vr, vc, vf, m, state, decay, mode, learning_rate_now, decay_now):
+    """One leaf by Optax's chain, in its own dtypes: (first, v_row, v_col, v, m)."""
+    factored_state = state[0]._replace(v_row=[vr], v_col=[vc], v=[vf])
+    (u,), new_factored = factored_rms.update([g], factored_state, [p])
+    if "clip" in links:
+      (u,), _ = links["clip"].update([u], optax.EmptyState())
+    if learning_rate_now is not None:
+      u = jnp.asarray(learning_rate_now, jnp.result_type(u)) * u
+    if "param_scale" in links:
+      (u,), _ = links["param_scale"].update([u], optax.EmptyState(), [p])
+    if "momentum" in links:
+      ema_state = state[position["momentum"]]._replace(ema=[m])
+      (u,), new_ema = links["momentum"].update([u], ema_state)
+      (m,) = new_ema.ema
+    if decay:
+      u = u + decay_now * p
+    u = -u
+    first = optax.apply_updates(p, u) if mode == "apply" else u
+    return (first, *(x[0] for x in new_factored[1:]), m)
+
   def init_fn(params):
-    v.check_float_leaves(_OWNER, "params", params)
     v_row, v_col, v_full = (
         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree) for tree in expected_state(params)
     )
@@ -209,8 +233,6 @@ def adafactor(
     if params is None:
       raise ValueError(f"{_OWNER}: params are required (Adafactor's statistics use their shapes).")
     v.check_same_tree(_OWNER, "grads", grads, "params", params)
-    v.check_float_leaves(_OWNER, "grads", grads)
-    v.check_float_leaves(_OWNER, "params", params)
     factored_state = state[0]
     for name, tree, want in zip(("v_row", "v_col", "v"),
                                 factored_state[1:], expected_state(params)):
@@ -222,15 +244,17 @@ def adafactor(
     if learning_rate_now is None and learning_rate is not None:
       learning_rate_now = schedule_value(learning_rate, state[position["lr"]])
     decay_now = 0.0 if never_decays else schedule_value(weight_decay_rate, state[position["decay"]])
-    scalars = adafactor_kernels.adafactor_scalars(
-        factored_state.count,
-        learning_rate=1.0 if learning_rate_now is None else learning_rate_now,
-        decay_rate=decay_rate, decay_offset=decay_offset, eps=eps,
-        clipping_threshold=1.0 if clipping_threshold is None else clipping_threshold,
-        momentum=0.0 if momentum is None else momentum,
-        weight_decay=decay_now,
-        grad_scale=1.0 if grad_scale is None else grad_scale,
-    )
+    @functools.cache
+    def scalars():  # built only if some leaf runs a kernel
+      return adafactor_kernels.adafactor_scalars(
+          factored_state.count,
+          learning_rate=1.0 if learning_rate_now is None else learning_rate_now,
+          decay_rate=decay_rate, decay_offset=decay_offset, eps=eps,
+          clipping_threshold=1.0 if clipping_threshold is None else clipping_threshold,
+          momentum=0.0 if momentum is None else momentum,
+          weight_decay=decay_now,
+          grad_scale=1.0 if grad_scale is None else grad_scale,
+      )
     leaves = jax.tree.leaves(params)
     decays = ([False] * len(leaves) if never_decays
               else v.broadcast_mask(_OWNER, weight_decay_mask, grads))
@@ -238,11 +262,24 @@ def adafactor(
           else [None] * len(leaves))
     kernel = (adafactor_kernels.adafactor_apply if mode == "apply"
               else adafactor_kernels.adafactor_updates)
+
+    def leaf_step(p, g, vr, vc, vf, m, d):
+      if v.kernel_dtypes(p, g, vr, vc, vf, m):
+        return kernel(p, g, vr, vc, vf, m, scalars(), factored_dims=dims_of(p.shape),
+                      stacked_axes=stacked_axes, clipping=clipping_threshold is not None,
+                      parameter_scale=multiply_by_parameter_scale, momentum=m is not None,
+                      decay=d, impl=impl)
+      if stacked_axes:
+        raise TypeError(
+            f"{_OWNER}: stacked_axes={stacked_axes} needs float32 or bfloat16 leaves (Optax "
+            f"has no stacked_axes to fall back on); got {jnp.result_type(p)}."
+        )
+      if grad_scale is not None:
+        g = (g * grad_scale).astype(g.dtype)
+      return optax_leaf(p, g, vr, vc, vf, m, state, d, mode, learning_rate_now, decay_now)
+
     results = [
-        kernel(p, g, vr, vc, vf, m, scalars, factored_dims=dims_of(p.shape),
-               stacked_axes=stacked_axes, clipping=clipping_threshold is not None,
-               parameter_scale=multiply_by_parameter_scale, momentum=m is not None,
-               decay=d, impl=impl)
+        leaf_step(p, g, vr, vc, vf, m, d)
         for p, g, vr, vc, vf, m, d in zip(
             leaves, jax.tree.leaves(grads), *map(jax.tree.leaves, factored_state[1:]),
             ms, decays, strict=True,

@@ -1,7 +1,5 @@
 """AdamW as a drop-in for `optax.adamw`, backed by the fused AdamW kernel."""
 
-from __future__ import annotations
-
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +53,11 @@ def adamw(
   ``p + u``, ``m`` and ``v`` in place instead, saving the separate
   ``optax.apply_updates`` pass.
 
+  Dtypes: leaves whose params, grads and moments are float32 or bfloat16 run
+  the fused kernel (f32 math inside); any other leaf Optax accepts (float16,
+  float64, complex, ...) runs Optax's own scaling for that leaf, in its
+  dtype, in every ``impl``, so its numbers and state dtypes are Optax's.
+
   Args:
     learning_rate: a scalar or an ``optax`` schedule of the step count.
     b1: decay of the first moment, in [0, 1).
@@ -76,7 +79,6 @@ def adamw(
   Raises:
     ValueError: a concrete hyperparameter out of range or NaN; at update time,
       grads, params and state trees that do not match.
-    TypeError: a leaf whose dtype is not float32 or bfloat16.
   """
   return elementwise_transform(
       _OWNER, learning_rate, weight_decay, mask, mu_dtype, impl,
@@ -88,9 +90,17 @@ def adamw(
       ),
       apply_kernel=functools.partial(adamw_kernels.adamw_apply, nesterov=nesterov),
       updates_kernel=functools.partial(adamw_kernels.adamw_updates, nesterov=nesterov),
+      optax_scaling=optax.scale_by_adam(
+          b1, b2, eps, eps_root, mu_dtype=mu_dtype, nesterov=nesterov
+      ),
   )
 
 
-def nadamw(*args, **kwargs) -> FusedGradientTransformation:
-  """`adamw` with ``nesterov=True``, a drop-in for `optax.nadamw`."""
-  return adamw(*args, nesterov=True, **kwargs)
+nadamw = functools.partial(adamw, nesterov=True)
+nadamw.__doc__ = """NAdamW: `adamw` with ``nesterov=True``, a drop-in for `optax.nadamw`.
+
+Like Optax's, it is ``functools.partial(adamw, nesterov=True)``: the same
+arguments, ``nesterov`` defaulting to True (Dozat, `Incorporating Nesterov
+Momentum into Adam <https://openreview.net/pdf/OM0jvwB8jIp57ZJjtNEZ.pdf>`_,
+2016).
+"""

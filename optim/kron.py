@@ -55,8 +55,6 @@ Under ``optax.inject_hyperparams``, name the integer structure arguments
 static: ``optax.inject_hyperparams(kron, static_args=KRON_STATIC_ARGS)``.
 """
 
-from __future__ import annotations
-
 import inspect
 import math
 from collections.abc import Callable
@@ -68,6 +66,7 @@ import numpy as np
 import optax
 from jax.extend.random import threefry2x32_p
 
+from pallasopt.kernels import _compat
 from pallasopt.kernels import kron as kk
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.optim import _validation as v
@@ -261,7 +260,7 @@ class _Core:
   def init(self, params):
     v.check_float_leaves(_OWNER, "params", params)
     has_mu = v._concrete_value(self.b1) != 0.0
-    mu = jax.tree.map(lambda p: jnp.zeros(p.shape, self.mu_dtype or p.dtype), params) if has_mu else None
+    mu = jax.tree.map(lambda p: jnp.zeros_like(p, self.mu_dtype or p.dtype), params) if has_mu else None
     qs = []
     for p, n in zip(jax.tree.leaves(params), self.stacked(params)):
       layer = _init_layer_factors(
@@ -282,7 +281,9 @@ class _Core:
       v.check_same_tree(_OWNER, "grads", grads, "opt_state['mu']", state["mu"])
     treedef = jax.tree.structure(grads)
     try:
-      qs = treedef.flatten_up_to(state["Qs_preconditioners"])
+      # A leaf's factor list may come back as a mapping {0: Q0, 1: Q1}
+      # (flax.nnx stores lists as State); its leaves are the factors in order.
+      qs = [jax.tree.leaves(layer) for layer in treedef.flatten_up_to(state["Qs_preconditioners"])]
     except (ValueError, TypeError) as e:
       raise ValueError(
           f"{_OWNER}: grads must have the tree structure of opt_state['Qs_preconditioners']; {e}"
@@ -306,7 +307,8 @@ class _Core:
     balance_key, probe_key = jax.random.split(key)
     qs = jax.lax.cond(
         jax.random.uniform(balance_key) < _BALANCE_PROB,
-        lambda qs: [_balance(q, n) for q, n in zip(qs, stacked)], lambda qs: qs, qs,
+        lambda qs: _compat.reshard_like([_balance(q, n) for q, n in zip(qs, stacked)], qs),
+        lambda qs: qs, qs,
     )
     probes = _probes(probe_key, [g.shape for g in precond_in], stacked, layer_index_fn)
     new_qs = []
@@ -356,9 +358,10 @@ class _Core:
 
     qs = jax.lax.cond(
         do_update,
-        lambda key, qs, gs, mus: self._update_factors(
+        # Both branches must carry the factors' sharding (Explicit meshes).
+        lambda key, qs, gs, mus: _compat.reshard_like(self._update_factors(
             key, qs, [precond_input(g, mu) for g, mu in zip(gs, mus)], stacked, layer_index_fn
-        ),
+        ), qs),
         lambda key, qs, gs, mus: qs,
         key, qs, gs, mus,
     )

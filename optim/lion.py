@@ -1,7 +1,5 @@
 """Lion as a drop-in for `optax.lion`, backed by the fused Lion kernel."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +49,11 @@ def lion(
   ``p + u`` and ``m`` in place instead: 20 bytes per f32 parameter against
   32 for ``update`` followed by ``optax.apply_updates``.
 
+  Dtypes: leaves whose params, grads and moments are float32 or bfloat16 run
+  the fused kernel (f32 math inside); any other leaf Optax accepts (float16,
+  float64, complex, ...) runs Optax's own scaling for that leaf, in its
+  dtype, in every ``impl``, so its numbers and state dtypes are Optax's.
+
   Args:
     learning_rate: a scalar or an ``optax`` schedule of the step count.
     b1: interpolation between momentum and gradient for the sign, in [0, 1).
@@ -70,8 +73,6 @@ def lion(
   Raises:
     ValueError: for a concrete hyperparameter outside its range or NaN, and,
       when stepping, for grads, params or state whose trees or shapes differ.
-    TypeError: for ``mu_dtype`` or a leaf that is neither float32 nor
-      bfloat16.
   """
   return elementwise_transform(
       "pallasopt.optim.lion", learning_rate, weight_decay, mask, mu_dtype, impl,
@@ -80,4 +81,5 @@ def lion(
       scalars=lambda count, lr, wd, grad_scale: lion_kernels.lion_scalars(lr, b1, b2, wd, grad_scale),
       apply_kernel=lion_kernels.lion_apply,
       updates_kernel=lion_kernels.lion_updates,
+      optax_scaling=optax.scale_by_lion(b1, b2, mu_dtype),
   )

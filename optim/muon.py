@@ -28,9 +28,8 @@ instead orthogonalizes each of the ``r x c`` blocks of a matrix on its own
 needed. It is an approximation (Megatron's ``"blockwise"`` mode), so opt-in.
 """
 
-from __future__ import annotations
-
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -40,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers, MuonState
+from optax.contrib import _muon as _optax_muon  # its orthogonalization, for f64/complex
 
+from pallasopt.kernels import _compat
 from pallasopt.kernels import newton_schulz as ns
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.optim import _validation as v
@@ -235,17 +236,42 @@ def _split_parts(flat_shape, split, blockwise, path):
   return split_fn, merge_fn, part_shapes
 
 
-def _orthogonalize_all(stacks, table, *, preconditioning, eps, iter_dtype, impl):
-  """Newton–Schulz of many stacks, one launch per distinct matrix shape."""
+def _compute_dtype(x) -> jnp.dtype:
+  """The dtype Muon computes a leaf in: f32 at least, f64 and complex kept."""
+  return jnp.promote_types(jnp.result_type(x), jnp.float32)
+
+
+def _orthogonalize_all(stacks, table, *, optax_coeffs, preconditioning, eps, iter_dtype, impl):
+  """Newton–Schulz of many stacks, one launch per distinct matrix shape.
+
+  Stacks in float32 or bfloat16 run `newton_schulz` with ``table``; others
+  (float64, complex), and all of them when ``table`` is None (a traced step
+  count), run Optax's own orthogonalization with ``optax_coeffs`` =
+  ``(ns_coeffs, ns_steps)``, in their dtype.
+  """
   groups: dict[tuple, list[int]] = {}
   for i, s in enumerate(stacks):
     groups.setdefault((s.shape[1:], s.dtype), []).append(i)
   out = [None] * len(stacks)
   for members in groups.values():
     joined = jnp.concatenate([stacks[i] for i in members]) if len(members) > 1 else stacks[members[0]]
-    result = ns.newton_schulz(
-        joined, table, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype, impl=impl
-    )
+    # Newton–Schulz contracts whole rows and columns: a matrix sharded over
+    # Explicit mesh axes is gathered, orthogonalized whole and resharded
+    # (exact; `blockwise` avoids the gather).
+    sharded_like = joined
+    joined = _compat.gathered(joined)
+    if table is not None and v.kernel_dtypes(joined):
+      result = ns.newton_schulz(
+          joined, table, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype,
+          impl=impl,
+      )
+    else:
+      coeffs, steps = optax_coeffs
+      result = _optax_muon.orthogonalize_via_newton_schulz(
+          joined, jnp.asarray(coeffs), steps, preconditioning, eps,
+          MuonDimensionNumbers(reduction_axis=1, output_axis=2),
+      )
+    result = _compat.reshard_like(result, sharded_like)
     offsets = np.cumsum([0] + [stacks[i].shape[0] for i in members])
     for i, lo, hi in zip(members, offsets[:-1], offsets[1:]):
       out[i] = result[lo:hi]
@@ -304,16 +330,16 @@ def muon(
     muon_weight_dimension_numbers: Any = None,
     consistent_rms: float | None = None,
     impl: str = "auto",
-    stacked_axes: int = 0,
+    stacked_axes: int | None = None,
     ns_rule: str | None = None,
     custom_ns_coeffs: Any = None,
     iter_dtype: Any = None,
     scale_mode: str | None = None,
-    extra_scale_factor: float = 1.0,
+    extra_scale_factor: float | None = None,
     momentum: str = "optax",
     second_moment: str | None = None,
-    beta2: float = 0.95,
-    second_moment_eps: float = 1e-8,
+    beta2: float | None = None,
+    second_moment_eps: float | None = None,
     qkv_split_shapes: Any = None,
     adamw_predicate: Callable[[str, jax.Array], bool] | None = None,
     blockwise: tuple[int, int] | None = None,
@@ -419,6 +445,12 @@ def muon(
     A `FusedGradientTransformation`; ``apply_gradients`` applies the AdamW
     leaves with the fused kernel and the Muon leaves after Newton–Schulz.
   """
+  # Our extensions default to None, so optax.inject_hyperparams never lifts
+  # them into its traced hyperparameters: its dict is exactly Optax's.
+  stacked_axes = 0 if stacked_axes is None else stacked_axes
+  extra_scale_factor = 1.0 if extra_scale_factor is None else extra_scale_factor
+  beta2 = 0.95 if beta2 is None else beta2
+  second_moment_eps = 1e-8 if second_moment_eps is None else second_moment_eps
   for name, value, high, inclusive in (
       ("learning_rate", learning_rate, math.inf, True),
       ("beta", beta, 1.0, False),
@@ -432,7 +464,17 @@ def muon(
       ("second_moment_eps", second_moment_eps, math.inf, True),
   ):
     v.check_hyperparameter(_OWNER, name, value, high=high, high_inclusive=inclusive)
-  ns_steps = v.static_int(_OWNER, "ns_steps", ns_steps, low=1, static_args="MUON_STATIC_ARGS")
+  traced_steps = isinstance(ns_steps, jax.core.Tracer)
+  if traced_steps:
+    # optax.inject_hyperparams traces ns_steps: Optax's orthogonalization
+    # (a loop of traced length) then runs every Muon leaf, in every impl.
+    if isinstance(ns_coeffs, str) or ns_rule is not None:
+      raise TypeError(
+          f"{_OWNER}: a traced ns_steps works only with numeric ns_coeffs and no ns_rule; "
+          "under optax.inject_hyperparams pass static_args=MUON_STATIC_ARGS."
+      )
+  else:
+    ns_steps = v.static_int(_OWNER, "ns_steps", ns_steps, low=1, static_args="MUON_STATIC_ARGS")
   stacked_axes = v.static_int(
       _OWNER, "stacked_axes", stacked_axes, low=0, static_args="MUON_STATIC_ARGS"
   )
@@ -453,9 +495,12 @@ def muon(
   ):
     raise ValueError(f"{_OWNER}: blockwise must be a pair of positive ints; got {blockwise!r}.")
   v.optional_float_dtype(_OWNER, "iter_dtype", iter_dtype)
-  init_coeffs = _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs)
+  if traced_steps:
+    init_coeffs = np.asarray(ns_coeffs, np.float32)
+  else:
+    init_coeffs = _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs)
   table_steps = ns_steps if init_coeffs.ndim == 1 else None
-  mu_dtype = v.optional_float_dtype(_OWNER, "mu_dtype", mu_dtype)
+  mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
@@ -502,7 +547,7 @@ def muon(
     return jnp.zeros(shape, jnp.float32)
 
   def chain_init(params):
-    mu = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), mu_dtype or jnp.result_type(p)), params)
+    mu = jax.tree.map(lambda p: jnp.zeros_like(p, mu_dtype or jnp.result_type(p)), params)
     state = (
         MuonState(count=jnp.zeros([], jnp.int32), mu=mu, ns_coeffs=jnp.asarray(init_coeffs)),
         optax.EmptyState(),
@@ -515,15 +560,19 @@ def muon(
     return state
 
   def momentum_step(g, m, count):
-    g32, m32 = g.astype(jnp.float32), m.astype(jnp.float32)
+    # f32 at least; float64 and complex leaves keep their precision (Optax's).
+    dtype = _compute_dtype(g)
+    real = jnp.finfo(dtype).dtype
+    corrected = lambda x, t: x / jnp.asarray(1 - beta**t, real)
+    g32, m32 = g.astype(dtype), m.astype(dtype)
     m_new = (1 - beta) * g32 + beta * m32
     if momentum == "lerp":
       hat = (1 - beta) * g32 + beta * m_new if nesterov else m_new
     elif nesterov:
-      hat = beta * (m_new / (1 - beta ** (count + 1))) + (1 - beta) * (g32 / (1 - beta**count))
+      hat = beta * corrected(m_new, count + 1) + (1 - beta) * corrected(g32, count)
     else:
-      hat = m_new / (1 - beta**count)
-    return hat, m_new.astype(m.dtype)
+      hat = corrected(m_new, count)
+    return hat.astype(dtype), m_new.astype(m.dtype)
 
   def scale_vector(layout: _Layout, spec: _Spec, parts):
     """Per-output-column scale (one value per part), broadcast on (b, r, o)."""
@@ -557,7 +606,6 @@ def muon(
   def chain_update(updates, state, params=None, learning_rate_now=None):
     muon_state, shape_state, decay_state, lr_state = state[:4]
     v.check_same_tree(_OWNER, "grads", updates, "opt_state mu", muon_state.mu)
-    v.check_float_leaves(_OWNER, "grads", updates)
     treedef = jax.tree.structure(updates)
     grads = jax.tree.leaves(updates)
     count = optax.safe_increment(muon_state.count)
@@ -571,22 +619,27 @@ def muon(
       splitters.append(splitter)
       owners.append(len(parts))
       stacks.extend(parts)
-    table = ns.coefficient_table(muon_state.ns_coeffs, table_steps)
-    results = _orthogonalize_all(
-        stacks, table, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype, impl=impl
+    orthogonalize = functools.partial(
+        _orthogonalize_all, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype,
+        impl=impl,
     )
+    if traced_steps:
+      results = orthogonalize(stacks, None, optax_coeffs=(muon_state.ns_coeffs, ns_steps))
+    else:
+      table = ns.coefficient_table(muon_state.ns_coeffs, table_steps)
+      results = orthogonalize(stacks, table, optax_coeffs=(table, table.shape[0]))
     nus = jax.tree.leaves(state[4].nu) if second_moment is not None else [None] * len(grads)
     new_nus, outs, start = [], [], 0
     for hat, g, nu, (layout, spec), (_, merge, part_shapes), n in zip(
         hats, grads, nus, layouts, splitters, owners
     ):
-      o = merge(results[start:start + n]).astype(jnp.float32)
+      o = merge(results[start:start + n]).astype(_compute_dtype(g))
       start += n
       if second_moment is not None:
         o, nu = normalize(o, nu, layout.to_flat(g.astype(jnp.float32)), layout.to_flat(hat))
         new_nus.append(nu)
       if adaptive:
-        o = jnp.sum(layout.to_flat(hat) * o) * o
+        o = jnp.sum(layout.to_flat(hat).conj() * o) * o
       o = o * scale_vector(layout, spec, part_shapes)
       outs.append(layout.from_flat(o).astype(g.dtype))
     out_tree = treedef.unflatten(outs)
@@ -616,7 +669,6 @@ def muon(
   partition = optax.partition({"muon": muon_tx, "adam": adam_tx}, param_labels)
 
   def init_fn(params):
-    v.check_float_leaves(_OWNER, "params", params)
     return partition.init(params)
 
   def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):

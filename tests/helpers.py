@@ -6,7 +6,7 @@ import numpy as np
 import optax
 from hypothesis import strategies as st
 
-from pallasopt.kernels import _compat
+from pallasopt import kernels
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -153,7 +153,7 @@ _DISABLED_CHECKS = {
 
 def lowered_text(fn, platform, *args) -> str:
   """StableHLO of `jax.jit(fn)` exported for `platform` ("tpu" or "cuda")."""
-  with _compat.lowering_platform(platform):
+  with kernels.lowering_platforms(platform):
     exported = jax.export.export(
         jax.jit(fn), platforms=[platform], disabled_checks=_DISABLED_CHECKS[platform]
     )(*args)

@@ -1,5 +1,6 @@
 """The shared kernel machinery: tiling plans and implementation dispatch."""
 
+import contextlib
 import math
 
 import jax
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 from hypothesis import given, strategies as st
 
+import pallasopt
 from pallasopt import kernels
 from pallasopt.kernels import _compat, _dispatch, _matrix, _reduction
 from pallasopt.kernels import adamw as adamw_k
@@ -93,22 +95,66 @@ def test_bad_impl_values_are_named(monkeypatch):
     kernels.resolve_impl()
 
 
-def _kernel_calls(impl, auto_on_cuda="pallas"):
+def _kernel_calls(impl, auto_on_cuda="pallas", platforms=None):
   s = kernels.adamw_scalars(1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0)
   x = jnp.ones((256,))
-  fn = _dispatch.dispatch(adamw_k.adamw_reference, adamw_k.adamw_kernel, impl, auto_on_cuda=auto_on_cuda)
-  jaxpr = jax.make_jaxpr(lambda *a: fn(*a, s, mode="apply", nesterov=False, decay=True))(x, x, x, x)
+  with contextlib.ExitStack() as stack:
+    if platforms:
+      stack.enter_context(kernels.lowering_platforms(*platforms))
+    fn = _dispatch.dispatch(
+        adamw_k.adamw_reference, adamw_k.adamw_kernel, impl, auto_on_cuda=auto_on_cuda
+    )
+    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, s, mode="apply", nesterov=False, decay=True))(
+        x, x, x, x
+    )
   return str(jaxpr)
 
 
-def test_auto_carries_every_platform_branch_and_xla_carries_none():
-  auto = _kernel_calls("auto")
-  assert auto.count("pallas_call") == 2  # Mosaic TPU + Triton; default is XLA.
-  assert "platform_index" in auto
+def test_auto_traces_only_the_target_platforms_branches():
+  # On this CPU host nothing but the reference is traced.
+  assert kernels.target_platforms() == ("cpu",)
+  assert "pallas_call" not in _kernel_calls("auto")
+  both = _kernel_calls("auto", platforms=("tpu", "cuda", "cpu"))
+  assert both.count("pallas_call") == 2 and "platform_index" in both  # Mosaic, Triton, XLA
   # A family whose CUDA "auto" is XLA carries only the Mosaic kernel.
-  assert _kernel_calls("auto", auto_on_cuda="xla").count("pallas_call") == 1
+  assert _kernel_calls("auto", "xla", platforms=("tpu", "cuda")).count("pallas_call") == 1
+  one = _kernel_calls("auto", platforms=("tpu",))
+  assert one.count("pallas_call") == 1 and "platform_index" not in one
   with pytest.raises(ValueError, match="auto_on_cuda must be 'pallas' or 'xla'"):
     _kernel_calls("auto", auto_on_cuda="triton")
-  assert "pallas_call" not in _kernel_calls("xla")
+  assert "pallas_call" not in _kernel_calls("xla", platforms=("tpu",))
   interpret = _kernel_calls("interpret")
   assert interpret.count("pallas_call") == 1 and "platform_index" not in interpret
+
+
+def test_pallas_on_a_cpu_target_is_a_clear_error():
+  with pytest.raises(ValueError, match="impl='pallas' cannot run on platform 'cpu'.*interpret"):
+    _kernel_calls("pallas")
+  with pytest.raises(ValueError, match="lowering_platforms"):
+    with kernels.lowering_platforms("gpu"):
+      pass
+
+
+def test_use_impl_is_part_of_the_jit_cache_key():
+  # The same jitted function, called under two choices, runs each.
+  tx = pallasopt.optim.adamw(1e-3)
+  params = {"w": jnp.ones((300,))}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  lowered = lambda: step.lower(params, state, params).as_text()
+  plain = lowered()
+  with kernels.use_impl("interpret"):
+    interpreted = lowered()
+    with kernels.use_impl("xla"):
+      assert lowered() == plain
+  assert lowered() == plain
+  assert interpreted != plain
+  # And the compiled calls: the interpreter's rounding is not required to
+  # differ, so compare which jaxpr each call traced.
+  traced = []
+  counted = jax.jit(lambda g, s, p: (traced.append(kernels.resolve_impl()), tx.update(g, s, p))[1])
+  counted(params, state, params)
+  with kernels.use_impl("interpret"):
+    counted(params, state, params)
+  counted(params, state, params)
+  assert traced == ["auto", "interpret"]
