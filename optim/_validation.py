@@ -212,3 +212,16 @@ def checked_param_leaves(
         + ("to apply gradients." if mode == "apply" else "for weight decay.")
     )
   return [None] * len(decays)
+
+
+def check_stacked_axes(owner: str, tree: Any, stacked_axes: int) -> None:
+  """Every leaf must have more axes than the ``stacked_axes`` it is said to stack."""
+  if not stacked_axes:
+    return
+  for path, leaf in keyed_leaves(tree):
+    if jnp.ndim(leaf) <= stacked_axes:
+      raise ValueError(
+          f"{owner}: stacked_axes={stacked_axes} needs every leaf to have more than "
+          f"{stacked_axes} axes (layers, then the layer's own); leaf{path} has shape "
+          f"{jnp.shape(leaf)}."
+      )

@@ -237,8 +237,10 @@ def _split_parts(flat_shape, split, blockwise, path):
 
 
 def _compute_dtype(x) -> jnp.dtype:
-  """The dtype Muon computes a leaf in: f32 at least, f64 and complex kept."""
-  return jnp.promote_types(jnp.result_type(x), jnp.float32)
+  """The dtype Muon computes a leaf in: f32 for the kernels' dtypes (f32 and
+  bf16), the leaf's own otherwise (f16, f64, complex), as Optax does."""
+  dtype = jnp.result_type(x)
+  return jnp.dtype(jnp.float32) if v.kernel_dtypes(x) else dtype
 
 
 def _orthogonalize_all(stacks, table, *, optax_coeffs, preconditioning, eps, iter_dtype, impl):
@@ -507,6 +509,7 @@ def muon(
   def specs_of(tree) -> list[_Spec]:
     leaves = v.keyed_leaves(tree)
     if muon_weight_dimension_numbers is None:
+      v.check_stacked_axes(_OWNER, tree, stacked_axes)
       dims = MuonDimensionNumbers(stacked_axes, stacked_axes + 1)
       chosen = [dims if jnp.ndim(x) == 2 + stacked_axes else None for _, x in leaves]
     else:
@@ -702,4 +705,21 @@ def muon(
     )
     return new_params, new_state
 
-  return FusedGradientTransformation(init_fn, partition.update, apply_fn)
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is not None:
+      v.check_same_tree(_OWNER, "grads", updates, "params", params)
+    else:
+      v.check_same_tree(_OWNER, "grads", updates, "opt_state mu", _state_mu(state))
+    return partition.update(updates, state, params, **extra_args)
+
+  return FusedGradientTransformation(init_fn, update_fn, apply_fn)
+
+
+def _state_mu(state) -> Any:
+  """The momentum tree of a Muon state: its two partitions' mu trees merged."""
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  inner = state.inner_states
+  return jax.tree.map(
+      lambda m, a: a if masked(m) else m,
+      inner["muon"].inner_state[0].mu, inner["adam"].inner_state[0].mu, is_leaf=masked,
+  )

@@ -309,16 +309,20 @@ def make_unsupported_stage_local_gradient_transformation(
     metadata: kept as the transform's ``metadata``.
   """
   detail = f" Reason: {reason}" if reason else ""
+  message = (
+      f"{_OWNER}: optimizer {optimizer_type!r} has no stage-local apply, so it cannot "
+      "update a pipeline stage with apply_gradients_stage_local. Fix: register it with a "
+      "builder that returns a pallasopt FusedGradientTransformation (whose "
+      "apply_gradients(params, grads, state, *, grad_scale, learning_rate) is the fused "
+      "step), or wrap the transform with make_stage_local_gradient_transformation(tx, "
+      "metadata, apply_fn). tx.update still works outside the pipeline." + detail
+  )
 
   def apply_fn(**unused_kwargs):
-    raise NotImplementedError(
-        f"{_OWNER}: optimizer {optimizer_type!r} has no stage-local apply, so it cannot "
-        "update a pipeline stage with apply_gradients_stage_local. Fix: register it with a "
-        "builder that returns a pallasopt FusedGradientTransformation (whose "
-        "apply_gradients(params, grads, state, *, grad_scale, learning_rate) is the fused "
-        "step), or wrap the transform with make_stage_local_gradient_transformation(tx, "
-        "metadata, apply_fn). tx.update still works outside the pipeline." + detail
-    )
+    raise NotImplementedError(message)
+
+  # Read by pipeline.make_train_step, which rejects such a transform when built.
+  apply_fn.unsupported_reason = message
 
   return make_stage_local_gradient_transformation(tx, metadata, apply_fn)
 

@@ -199,6 +199,8 @@ def make_train_step(
   Raises:
     TypeError: `tx` has no ``apply_gradients_stage_local``; bad mesh or
       schedule types.
+    NotImplementedError: `tx` was built without a stage-local path
+      (`make_unsupported_stage_local_gradient_transformation`).
     ValueError: ``tx.metadata.stacked_axes != schedule.stacked_axes``; mesh
       axes missing or of the wrong size.
   """
@@ -208,6 +210,9 @@ def make_train_step(
         "tx must be a stage-local transform with apply_gradients_stage_local (build it with"
         f" pallasopt.optim.stage_local.create_optimizer), got {type(tx).__name__}."
     )
+  unsupported = getattr(tx.apply_gradients_stage_local, "unsupported_reason", None)
+  if unsupported:
+    raise NotImplementedError(unsupported)
   metadata = getattr(tx, "metadata", None)
   stacked_axes = getattr(metadata, "stacked_axes", schedule.stacked_axes)
   if stacked_axes != schedule.stacked_axes:

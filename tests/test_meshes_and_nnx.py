@@ -1,0 +1,208 @@
+"""Every optimizer on JAX's default (Explicit-axis) mesh, an Auto mesh, with
+flax NNX and through an orbax checkpoint; the drop-in details Optax's suites
+do not reach (injected states that swap, x64 Muon, clear errors)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pallasopt
+from pallasopt import kernels
+
+_OPTIMIZERS = {
+    "adamw": lambda: pallasopt.optim.adamw(1e-3, weight_decay=0.1),
+    "lion": lambda: pallasopt.optim.lion(1e-4),
+    "adafactor": lambda: pallasopt.optim.adafactor(1e-2),
+    "muon": lambda: pallasopt.optim.muon(1e-2, weight_decay=0.01),
+    "kron": lambda: pallasopt.optim.kron(1e-3, preconditioner_update_probability=1.0),
+}
+_SHARDING = {"w": P("model", "data"), "b": P("model")}
+
+
+def _problem():
+  params = {"w": jnp.linspace(-1, 1, 64 * 32).reshape(64, 32), "b": jnp.zeros((32,))}
+  grads = jax.tree.map(lambda p: jnp.cos(3 * p) + 0.1, params)
+  return params, grads
+
+
+def _steps(tx, params, grads, state, n=2):
+  step = jax.jit(functools.partial(pallasopt.optim.apply_gradients, tx))
+  update = jax.jit(lambda g, s, p: tx.update(g, s, p))
+  updates, _ = update(grads, state, params)
+  for _ in range(n):
+    params, state = step(params, grads, state)
+  return params, state, updates
+
+
+def _close(a, b):
+  # Same math on a sharded layout: XLA may reassociate the few reductions
+  # (norms, factored statistics) across shards, a few f32 ulps apart.
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
+@pytest.mark.parametrize("impl", ["auto", "interpret"])
+def test_sharded_steps_equal_the_unsharded_steps(name, axis_type, impl):
+  # The README's sharding example: jax.make_mesh (Explicit axes by default).
+  axis_types = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[axis_type]
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_types,) * 2)
+  tx = _OPTIMIZERS[name]()
+  params, grads = _problem()
+  with kernels.use_impl(impl):
+    want = _steps(tx, params, grads, tx.init(params))
+    with jax.set_mesh(mesh):
+      shardings = {k: NamedSharding(mesh, spec) for k, spec in _SHARDING.items()}
+      sharded_params = jax.device_put(params, shardings)
+      sharded_grads = jax.device_put(grads, shardings)
+      got = _steps(tx, sharded_params, sharded_grads, tx.init(sharded_params))
+  _close(got, want)
+
+
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
+def test_inside_shard_map_each_device_steps_its_own_replica(name):
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  tx = _OPTIMIZERS[name]()
+  params, grads = _problem()
+  want, _, _ = _steps(tx, params, grads, tx.init(params), n=1)
+
+  @jax.jit
+  @functools.partial(pallasopt.kernels._compat.shard_map, mesh=mesh, in_specs=P(),
+                     out_specs=P(), check_vma=False)
+  def replicated_step(params, grads):
+    return pallasopt.optim.apply_gradients(tx, params, grads, tx.init(params))[0]
+
+  _close(replicated_step(params, grads), want)
+
+
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
+def test_flax_nnx_optimizer_trains_with_every_optimizer(name):
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+      return self.dense(x)
+
+  x = jnp.linspace(-1, 1, 4 * 16).reshape(4, 16)
+  y = jnp.ones((4, 8))
+  loss = lambda model: jnp.mean((model(x) - y) ** 2)
+  model = Model(nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  tx = _OPTIMIZERS[name]()
+  # The functional run: plain pytrees, the same transform.
+  pure = jax.tree.map(jnp.asarray, nnx.to_pure_dict(params))
+  pure_loss = lambda p: jnp.mean((x @ p["dense"]["kernel"] + p["dense"]["bias"] - y) ** 2)
+  state = tx.init(pure)
+  for _ in range(3):
+    updates, state = tx.update(jax.grad(pure_loss)(pure), state, pure)
+    pure = optax.apply_updates(pure, updates)
+
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  for _ in range(3):
+    optimizer.update(model, nnx.grad(loss)(model))
+  _close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), pure)
+
+
+def test_orbax_round_trip_of_a_sharded_state(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  tx = pallasopt.optim.adamw(1e-3)
+  params, grads = _problem()
+  with jax.set_mesh(mesh):
+    shardings = {k: NamedSharding(mesh, spec) for k, spec in _SHARDING.items()}
+    params = jax.device_put(params, shardings)
+    params, state, _ = _steps(tx, params, jax.device_put(grads, shardings), tx.init(params), 1)
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(tmp_path / "state", state)
+      checkpointer.wait_until_finished()
+      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+      restored = checkpointer.restore(tmp_path / "state", abstract)
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---- Drop-in details. ----
+
+_INJECTED = {
+    "adamw": (optax.adamw, pallasopt.optim.adamw, {}),
+    "nadamw": (optax.nadamw, pallasopt.optim.nadamw, {}),
+    "lion": (optax.lion, pallasopt.optim.lion, {}),
+    "adafactor": (optax.adafactor, pallasopt.optim.adafactor,
+                  {"static_args": ("min_dim_size_to_factor",)}),
+    "muon": (optax.contrib.muon, pallasopt.optim.muon, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(_INJECTED))
+def test_injected_states_swap_with_optax(name):
+  theirs, ours, kwargs = _INJECTED[name]
+  params, grads = _problem()
+  opt_theirs = optax.inject_hyperparams(theirs, **kwargs)(learning_rate=0.01)
+  opt_ours = optax.inject_hyperparams(ours, **kwargs)(learning_rate=0.01)
+  state_theirs, state_ours = opt_theirs.init(params), opt_ours.init(params)
+  assert state_ours.hyperparams.keys() == state_theirs.hyperparams.keys()
+  assert jax.tree.structure(state_ours) == jax.tree.structure(state_theirs)
+  # Each one continues from the other's state with the other's numbers.
+  u_theirs, _ = jax.jit(opt_theirs.update)(grads, state_ours, params)
+  u_ours, _ = jax.jit(opt_ours.update)(grads, state_theirs, params)
+  _close(u_ours, u_theirs)
+
+
+def test_muon_under_x64_matches_optax():
+  with jax.enable_x64(True):
+    params = {"w": jnp.linspace(-1, 1, 48, dtype=jnp.float32).reshape(8, 6),
+              "b": jnp.ones((6,), jnp.float32)}
+    grads = jax.tree.map(lambda p: jnp.sin(p) + 0.5, params)
+    ours, theirs = pallasopt.optim.muon(1e-2), optax.contrib.muon(1e-2)
+    u_ours, s_ours = ours.update(grads, ours.init(params), params)
+    u_theirs, _ = theirs.update(grads, theirs.init(params), params)
+    assert jax.tree.map(lambda x: x.dtype, u_ours) == jax.tree.map(lambda x: x.dtype, u_theirs)
+    _close(u_ours, u_theirs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.complex64])
+@pytest.mark.parametrize("name", ["adamw", "adafactor", "muon"])
+def test_leaves_no_kernel_takes_follow_optax_in_every_impl(name, dtype):
+  theirs = {"adamw": optax.adamw(1e-2), "adafactor": optax.adafactor(1e-2),
+            "muon": optax.contrib.muon(1e-2)}[name]
+  w = jnp.linspace(-1, 1, 48).reshape(8, 6)
+  params = {"w": (w * (1 + 0.5j) if dtype == jnp.complex64 else w).astype(dtype)}
+  grads = jax.tree.map(lambda p: (p * 0.3 + 0.1).astype(dtype), params)
+  u_theirs, _ = theirs.update(grads, theirs.init(params), params)
+  for impl in ("xla", "interpret"):
+    ours = {"adamw": pallasopt.optim.adamw(1e-2, impl=impl),
+            "adafactor": pallasopt.optim.adafactor(1e-2, impl=impl),
+            "muon": pallasopt.optim.muon(1e-2, impl=impl)}[name]
+    u_ours, state = ours.update(grads, ours.init(params), params)
+    assert u_ours["w"].dtype == u_theirs["w"].dtype
+    # Optax's own math on those leaves: equal up to f16 rounding of the
+    # final product (2**-10 relative), exact for complex64.
+    tol = 1e-3 if dtype == jnp.float16 else 1e-5
+    np.testing.assert_allclose(np.asarray(u_ours["w"]), np.asarray(u_theirs["w"]),
+                               rtol=tol, atol=tol * 1e-2)
+
+
+def test_structural_errors_name_the_argument_and_leaf():
+  params = {"w": jnp.ones((4, 4)), "b": jnp.ones((3,))}
+  tx = pallasopt.optim.muon(1e-2)
+  with pytest.raises(ValueError, match=r"muon: grads must have the same tree structure as "
+                                       r"opt_state mu. missing in grads: \[\"\['b'\]\"\]"):
+    tx.update({"w": jnp.ones((4, 4))}, tx.init(params))
+  for make in (lambda: pallasopt.optim.adafactor(1e-2, stacked_axes=1),
+               lambda: pallasopt.optim.muon(1e-2, stacked_axes=1),
+               lambda: pallasopt.optim.kron(1e-3, stacked_axes=1)):
+    with pytest.raises(ValueError, match=r"stacked_axes=1 .* leaf\['b'\] has shape \(3,\)"):
+      make().init(params)
