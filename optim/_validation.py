@@ -78,7 +78,7 @@ def optional_dtype(owner: str, name: str, dtype: Any) -> jnp.dtype | None:
     return None
   try:
     return jnp.dtype(dtype)
-  except TypeError:
+  except (TypeError, ValueError):
     raise TypeError(f"{owner}: {name} must be a dtype or None; got {dtype!r}.") from None
 
 
@@ -213,15 +213,3 @@ def checked_param_leaves(
     )
   return [None] * len(decays)
 
-
-def check_stacked_axes(owner: str, tree: Any, stacked_axes: int) -> None:
-  """Every leaf must have more axes than the ``stacked_axes`` it is said to stack."""
-  if not stacked_axes:
-    return
-  for path, leaf in keyed_leaves(tree):
-    if jnp.ndim(leaf) <= stacked_axes:
-      raise ValueError(
-          f"{owner}: stacked_axes={stacked_axes} needs every leaf to have more than "
-          f"{stacked_axes} axes (layers, then the layer's own); leaf{path} has shape "
-          f"{jnp.shape(leaf)}."
-      )

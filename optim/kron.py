@@ -252,7 +252,6 @@ class _Core:
   def stacked(self, tree) -> list[int]:
     """Per leaf, the number of leading layer axes (at most its rank)."""
     if self.scanned_layers is None:
-      v.check_stacked_axes(_OWNER, tree, self.stacked_axes)
       counts = [self.stacked_axes] * len(jax.tree.leaves(tree))
     else:
       counts = [int(s) for s in v.broadcast_mask(_OWNER + " scanned_layers", self.scanned_layers, tree)]
