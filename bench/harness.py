@@ -105,13 +105,15 @@ only, so "% peak" of a compute row is shown for bf16 cases only.
 
 Output: one JSONL record per configuration, appended and flushed as soon as
 it is measured (versions, device kind, commit, timing method, all numbers),
-so a long sweep can be resumed: configurations already in the file (measured
-on this device kind, under this `SCHEMA`) are skipped. A Markdown table goes to stdout (and beside the JSONL as ``.md``);
-progress goes to stderr. On a CPU the Pallas kernels exist only as an
+so a long sweep can be resumed: configurations already in the file, measured
+at this commit with this jax version on this device kind under this `SCHEMA`,
+are reused (the run says how many and from where); others are measured anew.
+A Markdown table goes to stdout and beside the JSONL as ``.md``; a plot goes
+beside it as ``.png`` where matplotlib is installed (the ``bench`` extra).
+Every file written is named on stderr, with the progress. On a CPU the Pallas kernels exist only as an
 interpreter, which is not a kernel speed: pallasopt's rows time its XLA
 reference path (``impl="auto"`` resolves to it there; the harness asks for
-``"xla"`` directly, the same program without tracing the TPU and Triton
-branches), and ``--interpret`` (tests only) runs the interpreter with every
+``"xla"`` directly, the same program), and ``--interpret`` (tests only) runs the interpreter with every
 speed-derived number suppressed.
 """
 
@@ -1082,14 +1084,14 @@ def run(
   keys = {c[-1] for c in configs}
   done = {
       r["key"]: r for r in load_records(out_path)
-      if resume and r.get("key") in keys and not r.get("error")
-      and r.get("device_kind") == env.device_kind and r.get("schema") == SCHEMA
+      if resume and r.get("key") in keys and not r.get("error") and _current(r, env)
   }
   todo = [c for c in configs if c[-1] not in done]
   _progress(banner(env, kernel_impls))
   _progress(
-      f"{len(configs)} configuration(s) selected, {len(configs) - len(todo)} already in {out_path}, "
-      f"{len(todo)} to measure"
+      f"{len(configs)} configuration(s) selected, {len(configs) - len(todo)} already in {out_path} "
+      f"(reused: measured at commit {env.git_commit[:12]} with jax {env.versions['jax']} on "
+      f"{env.device_kind}), {len(todo)} to measure"
   )
 
   ceilings: dict[str, dict] = {}
@@ -1155,7 +1157,31 @@ def run(
   table = banner(env, kernel_impls) + "\n\n" + format_table(records)
   print(table, file=stream, flush=True)
   out_path.with_suffix(".md").write_text(table + "\n")
+  _progress(f"wrote {out_path} ({len(todo)} new record(s))")
+  _progress(f"wrote {out_path.with_suffix('.md')}")
+  _progress(_write_plot(records, out_path.with_suffix(".png")))
   return records
+
+
+def _current(record: dict, env: Environment) -> bool:
+  """Whether ``record`` was measured by this code on this device (resumable)."""
+  return (
+      record.get("schema") == SCHEMA and record.get("device_kind") == env.device_kind
+      and record.get("git_commit") == env.git_commit
+      and record.get("jax") == env.versions["jax"]
+  )
+
+
+def _write_plot(records: Sequence[dict], path: pathlib.Path) -> str:
+  """Draws ``records`` to ``path``; returns the line saying what was done."""
+  from bench import plot  # noqa: PLC0415 - plot imports this module
+
+  try:
+    return f"wrote {plot.plot(records, path)}"
+  except ImportError:
+    return "no plot: matplotlib is not installed (pip install -e '.[bench]')"
+  except ValueError as e:  # nothing timed, e.g. only interpreted rows
+    return f"no plot: {e}"
 
 
 # ---------------------------------------------------------------------------

@@ -213,3 +213,20 @@ def checked_param_leaves(
     )
   return [None] * len(decays)
 
+
+
+def check_stacked_axes(owner: str, tree: Any, stacked_axes: int) -> None:
+  """No leaf may have fewer axes than the ``stacked_axes`` it is said to stack.
+
+  A leaf whose rank equals ``stacked_axes`` is a stack of per-layer scalars
+  (e.g. a gate per layer) and is accepted; one of lower rank cannot carry the
+  layer axes at all, which means the argument is wrong for this tree.
+  """
+  if not stacked_axes:
+    return
+  for path, leaf in keyed_leaves(tree):
+    if jnp.ndim(leaf) < stacked_axes:
+      raise ValueError(
+          f"{owner}: stacked_axes={stacked_axes} says every leaf starts with "
+          f"{stacked_axes} layer axes, but leaf{path} has shape {jnp.shape(leaf)}."
+      )

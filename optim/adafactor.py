@@ -192,6 +192,7 @@ def adafactor(
         tuple(shape), factored, min_dim_size_to_factor, stacked_axes)
 
   def expected_state(params):
+    v.check_stacked_axes(_OWNER, params, stacked_axes)
     shapes = [_state_shapes(p.shape, p.dtype, dims_of(p.shape)) for p in jax.tree.leaves(params)]
     treedef = jax.tree.structure(params)
     return [treedef.unflatten(column) for column in zip(*shapes)] if shapes else [params] * 3

@@ -40,7 +40,8 @@ weight_decay > 0], scale_by_learning_rate state)``.
 Stacked layers: ``stacked_axes=n`` treats the first ``n`` axes of every leaf
 as independent layers (``[repeats, stages, d_in, d_out]`` with ``n = 2``): no
 factor for them, and each layer gets its own factors, damping mean and RMS
-clip. ``scanned_layers`` (psgd_jax's per-leaf bools) marks one such axis per
+clip. A leaf of rank ``n`` holds one scalar per layer; a leaf of lower rank
+is an error that names it. ``scanned_layers`` (psgd_jax's per-leaf bools) marks one such axis per
 leaf. psgd_jax takes the damping mean and the RMS clip over a scanned leaf as
 a whole; here they are per layer, and each layer's probe comes from its
 own key, which is what lets a pipeline stage update its layers without the
@@ -252,6 +253,7 @@ class _Core:
   def stacked(self, tree) -> list[int]:
     """Per leaf, the number of leading layer axes (at most its rank)."""
     if self.scanned_layers is None:
+      v.check_stacked_axes(_OWNER, tree, self.stacked_axes)
       counts = [self.stacked_axes] * len(jax.tree.leaves(tree))
     else:
       counts = [int(s) for s in v.broadcast_mask(_OWNER + " scanned_layers", self.scanned_layers, tree)]

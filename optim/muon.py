@@ -509,6 +509,7 @@ def muon(
   def specs_of(tree) -> list[_Spec]:
     leaves = v.keyed_leaves(tree)
     if muon_weight_dimension_numbers is None:
+      v.check_stacked_axes(_OWNER, tree, stacked_axes)
       dims = MuonDimensionNumbers(stacked_axes, stacked_axes + 1)
       chosen = [dims if jnp.ndim(x) == 2 + stacked_axes else None for _, x in leaves]
     else:

@@ -50,18 +50,20 @@ def tolerance(*dtypes) -> float:
   return 1e-2 if any(jnp.dtype(d) == jnp.bfloat16 for d in dtypes) else 2e-6
 
 
-def assert_close(actual, expected, rtol, err_msg=""):
-  """|actual - expected| <= rtol * max|expected| elementwise; NaN never passes.
+def assert_close(actual, expected, rtol, err_msg="", *, operands=()):
+  """|actual - expected| <= rtol * max|expected, operands| elementwise; NaN never passes.
 
-  The tolerance scales with the largest magnitude of `expected`, so values
-  that cancel to ~0 are judged at the scale the computation worked at.
+  The tolerance scales with the largest magnitude of `expected` (and of any
+  `operands` it was computed from, e.g. the old params of ``p + u``), so
+  values that cancel to ~0 are judged at the scale the computation worked at.
   """
   actual = np.asarray(jnp.asarray(actual, jnp.float32))
   expected = np.asarray(jnp.asarray(expected, jnp.float32))
   assert actual.shape == expected.shape, (actual.shape, expected.shape, err_msg)
   assert np.all(np.isfinite(actual)), f"non-finite result {err_msg}"
   assert np.all(np.isfinite(expected)), f"non-finite expectation {err_msg}"
-  scale = max(float(np.max(np.abs(expected), initial=0.0)), 1e-30)
+  magnitudes = [expected] + [np.asarray(jnp.asarray(x, jnp.float32)) for x in operands]
+  scale = max(max(float(np.max(np.abs(x), initial=0.0)) for x in magnitudes), 1e-30)
   np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale, err_msg=err_msg)
 
 
@@ -78,15 +80,16 @@ def step_grads(params, step):
   return jax.tree.map(lambda p: jnp.sin(p * (step + 1.0)) + 0.01 * step, params)
 
 
-def run_steps(tx, params, steps, fused, apply_gradients=None):
+def run_steps(tx, params, steps, fused, apply_gradients=None, *, feedback=True):
   """`steps` optimizer steps with `step_grads`; returns (params, state).
 
   With `fused`, steps go through `apply_gradients(tx, params, grads, state)`;
-  otherwise through `tx.update` and `optax.apply_updates`.
+  otherwise through `tx.update` and `optax.apply_updates`. With `feedback`
+  the gradients are taken at the current params, else at the initial ones.
   """
-  state = tx.init(params)
+  state, initial = tx.init(params), params
   for i in range(steps):
-    grads = step_grads(params, i)
+    grads = step_grads(params if feedback else initial, i)
     if fused:
       params, state = apply_gradients(tx, params, grads, state)
     else:
@@ -99,7 +102,7 @@ def _upcast(tree):
   return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def run_optax_f32_math(make, kwargs, params, steps, fused, moment_of=None):
+def run_optax_f32_math(make, kwargs, params, steps, fused, moment_of=None, *, feedback=True):
   """Optax's math in f32, results stored in the original dtypes each step.
 
   That is pallasopt's contract for bf16 leaves (f32 inside the kernel, one
@@ -114,12 +117,14 @@ def run_optax_f32_math(make, kwargs, params, steps, fused, moment_of=None):
     steps: number of steps, with `step_grads`.
     fused: whether the run being compared skips the rounded-updates pass.
     moment_of: state -> first-moment tree, used to promote unfused updates.
+    feedback: as in `run_steps`.
   """
   math_tx = make(**{**kwargs, "mu_dtype": None}) if "mu_dtype" in kwargs else make(**kwargs)
   state = make(**kwargs).init(params)
   storage = jax.tree.map(lambda x: x.dtype, (params, state))
+  initial = params
   for i in range(steps):
-    grads = step_grads(params, i)
+    grads = step_grads(params if feedback else initial, i)
     updates, new_state = math_tx.update(_upcast(grads), _upcast(state), _upcast(params))
     if not fused:
       moments = moment_of(state) if moment_of else params

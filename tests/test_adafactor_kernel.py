@@ -94,7 +94,11 @@ def test_kernel_equals_reference_over_steps(
         assert a is None, name
         continue
       assert a.dtype == b.dtype and a.shape == b.shape, name
-      assert_close(a, b, tolerance(a.dtype, grad_dtype), err_msg=f"step {step} {name}")
+      # p + u can cancel to 0 (a 0-d leaf clipped to |u| = lr * threshold *
+      # |p|): judge it at the scale of p, which u's rounding error follows.
+      operands = (state[0],) if name == "p/u" and mode == "apply" else ()
+      assert_close(a, b, tolerance(a.dtype, grad_dtype), err_msg=f"step {step} {name}",
+                   operands=operands)
     # Chain the reference's own results so each step compares the same inputs.
     state = ((want[0] if mode == "apply" else state[0]), *want[1:])
 

@@ -69,6 +69,23 @@ def test_resume_skips_measured_configurations(ci_results, capsys):
   assert "| adamw/decoder-tiny-stacked2x2/mixed/mu-f32 | pallasopt.fused | xla |" in out
 
 
+def test_records_of_another_commit_or_jax_are_measured_anew(ci_results, capsys, tmp_path):
+  path, records = ci_results
+  for field, value in (("git_commit", "0" * 40), ("jax", "0.0.1")):
+    stale = tmp_path / f"stale-{field}.jsonl"
+    stale.write_text("".join(json.dumps({**r, field: value}) + "\n" for r in records))
+    _, _, err = _run(["--filter", CI_FILTER, "--out", str(stale), "--iters", "3"], capsys)
+    assert "0 already in" in err and "4 to measure" in err
+
+
+def test_every_file_written_is_named(ci_results, capsys):
+  path, _ = ci_results
+  _, _, err = _run(["--filter", CI_FILTER, "--out", str(path)], capsys)
+  for written in (path, path.with_suffix(".md"), path.with_suffix(".png")):
+    assert f"wrote {written}" in err
+  assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_table_says_what_was_timed(ci_results, capsys):
   path, _ = ci_results
   _, out, _ = _run(["--filter", CI_FILTER, "--out", str(path)], capsys)
