@@ -908,7 +908,8 @@ def load_records(path: str | os.PathLike) -> list[dict]:
   return records
 
 
-def _append(path: pathlib.Path, record: dict) -> None:
+def append_record(path: pathlib.Path, record: dict) -> None:
+  """Appends one record to a JSONL results file, creating its folder."""
   path.parent.mkdir(parents=True, exist_ok=True)
   with path.open("a") as f:
     f.write(json.dumps(record, default=str) + "\n")
@@ -1149,7 +1150,7 @@ def run(
     except Exception as e:  # noqa: BLE001 - record the failure, keep sweeping
       record.update(error=f"{type(e).__name__}: {e}")
       _progress(f"[{i}/{len(todo)}] {key}: FAILED {record['error'][:300]}")
-    _append(out_path, record)
+    append_record(out_path, record)
     done[key] = record
 
   records = [done[c[-1]] for c in configs if c[-1] in done]

@@ -16,7 +16,7 @@ import pytest
 
 # `bench/` is a folder at the repository root, not installed; pyproject.toml's
 # `pythonpath = ["."]` makes it importable, as `python -m bench` does.
-from bench import cases_adamw, harness, kernels, plot, workloads
+from bench import cases_adamw, harness, kernels, plot, trace_cost, workloads
 from pallasopt.kernels._compat import pl
 
 # Three implementations on a leaf, and the fused path on a stacked mixed-dtype tree.
@@ -366,3 +366,15 @@ def test_gpu_timing_falls_back_to_wall_clock_and_says_why():
   )
   assert out["timing"] in ("wall", "wall-loop") and out["finite"]
   assert out["timing_note"].startswith("CUPTI unavailable, wall clock used")
+
+
+def test_trace_cost_times_every_optimizer_against_its_reference(tmp_path, capsys):
+  out = tmp_path / "trace-cost.jsonl"
+  records = trace_cost.main(["--leaves", "12", "--out", str(out)])
+  assert [r["optimizer"] for r in records] == list(trace_cost.OPTIMIZERS)
+  assert [json.loads(line)["optimizer"] for line in out.read_text().splitlines()] == list(
+      trace_cost.OPTIMIZERS)
+  for r in records:
+    assert r["leaves"] == 12 and r["pallasopt_s"] > 0 and r["reference_s"] > 0
+    assert r["ratio"] == pytest.approx(r["pallasopt_s"] / r["reference_s"])
+  assert f"wrote {out}" in capsys.readouterr().err

@@ -195,6 +195,20 @@ def test_leaves_no_kernel_takes_follow_optax_in_every_impl(name, dtype):
                                rtol=tol, atol=tol * 1e-2)
 
 
+@pytest.mark.parametrize("name", ["adamw", "lion", "adafactor", "muon"])
+def test_integer_leaves_behave_as_optaxs(name):
+  # Optax accepts them and returns float updates (Adafactor and Muon NaNs on
+  # this input, as Optax does); ours are Optax's, bit for bit.
+  theirs = {"adamw": optax.adamw, "lion": optax.lion, "adafactor": optax.adafactor,
+            "muon": optax.contrib.muon}[name](1e-2)
+  ours = getattr(pallasopt.optim, name)(1e-2)
+  params = {"i": jnp.arange(4, dtype=jnp.int32), "f": jnp.ones((3,))}
+  u_ours, _ = ours.update(params, ours.init(params), params)
+  u_theirs, _ = theirs.update(params, theirs.init(params), params)
+  assert u_ours["i"].dtype == u_theirs["i"].dtype
+  np.testing.assert_array_equal(np.asarray(u_ours["i"]), np.asarray(u_theirs["i"]))
+
+
 def test_structural_errors_name_the_argument_and_leaf():
   params = {"w": jnp.ones((4, 4)), "b": jnp.ones((3,))}
   tx = pallasopt.optim.muon(1e-2)
