@@ -35,6 +35,7 @@ step 0.66x Optax's speed on a 4K leaf, 0.99-1.00x from 16M up;
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -96,10 +97,10 @@ def _sign(x):
   return jnp.where(x > 0, 1.0, jnp.where(x < 0, -1.0, x * 0.0))
 
 
-def _lion_math(s: LionScalars, p, g, m, *, decay: bool):
-  """The update on f32 values: returns (u, m)."""
+def _lion_math(s: LionScalars, p, g, m, *, decay: bool, sign=_sign):
+  """The update on f32 values: returns (u, m). ``sign`` is `jnp.sign` in XLA."""
   g = g * s.grad_scale
-  u = _sign(s.b1 * m + s.one_minus_b1 * g)
+  u = sign(s.b1 * m + s.one_minus_b1 * g)
   if decay:
     u = u + s.weight_decay * p
   m = s.b2 * m + s.one_minus_b2 * g
@@ -118,7 +119,9 @@ def lion_reference(p, g, m, scalars: LionScalars, *, mode: str, decay: bool):
       ``u`` in the promoted dtype of the operands, as Optax's updates.
     decay: add the weight decay term.
   """
-  return reference_update(_lion_math, p, g, (m,), scalars, mode=mode, decay=decay)
+  # jnp.sign is one op where _sign is five: it matters when tracing many leaves.
+  math = functools.partial(_lion_math, sign=jnp.sign)
+  return reference_update(math, p, g, (m,), scalars, mode=mode, decay=decay)
 
 
 def lion_kernel(
