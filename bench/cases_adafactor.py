@@ -118,5 +118,7 @@ def cases(tier: str) -> list[harness.Case]:
   out.append(case(_matrix((4096, 4096)), "momentum"))
   out += [case(workloads.leaf(size, "f32")) for size in (1 << 20, 1 << 24, 1_000_003)]
   for w in workloads.for_tier("full", ("f32", "mixed")):
+    # stacked_axes covers the stacked layers only (see workloads.stacked_layers).
+    w = workloads.stacked_layers(w) if w.stacked_axes else w
     out += [case(w), case(w, "momentum")]
   return out

@@ -172,6 +172,20 @@ def leaf_sizes(tier: str) -> list[int]:
   return [1 << k for k in range(12, 29, 2)] + [1_000_003]
 
 
+def stacked_layers(workload: Workload) -> Workload:
+  """The stacked ``layers`` subtree of a stacked decoder, as its own workload.
+
+  An optimizer's ``stacked_axes`` applies to every leaf, and the embedding and
+  final norm of a stacked decoder are not stacked (a leaf without axes of its
+  own after ``stacked_axes`` is an error).
+  """
+  if not workload.stacked_axes:
+    raise ValueError(f"{workload.name} has no stacked layers.")
+  return dataclasses.replace(
+      workload, name=f"{workload.name}-layers", tree={"layers": workload.tree["layers"]}
+  )
+
+
 def for_tier(tier: str, policies: tuple[str, ...] = ("f32", "mixed")) -> list[Workload]:
   """The trees a tier runs.
 

@@ -216,17 +216,18 @@ def checked_param_leaves(
 
 
 def check_stacked_axes(owner: str, tree: Any, stacked_axes: int) -> None:
-  """No leaf may have fewer axes than the ``stacked_axes`` it is said to stack.
+  """Every leaf must have axes of its own after the ``stacked_axes`` layer axes.
 
-  A leaf whose rank equals ``stacked_axes`` is a stack of per-layer scalars
-  (e.g. a gate per layer) and is accepted; one of lower rank cannot carry the
-  layer axes at all, which means the argument is wrong for this tree.
+  A leaf of rank ``stacked_axes`` or less (an unstacked embedding or norm in
+  a stacked tree) would silently be updated as a stack of scalars; stack such
+  leaves too (a per-layer scalar as ``(layers, 1)``) or keep them out of the
+  stacked transform.
   """
   if not stacked_axes:
     return
   for path, leaf in keyed_leaves(tree):
-    if jnp.ndim(leaf) < stacked_axes:
+    if jnp.ndim(leaf) <= stacked_axes:
       raise ValueError(
-          f"{owner}: stacked_axes={stacked_axes} says every leaf starts with "
-          f"{stacked_axes} layer axes, but leaf{path} has shape {jnp.shape(leaf)}."
+          f"{owner}: stacked_axes={stacked_axes} says every leaf has {stacked_axes} layer "
+          f"axes and axes of its own after them, but leaf{path} has shape {jnp.shape(leaf)}."
       )

@@ -271,7 +271,7 @@ def test_fused_grad_scale_and_learning_rate_override_match_optax():
     [
         ((3, 20, 37), 1),
         ((2, 2, 9, 12), 2),
-        ((2, 3), 2),  # ndim <= stacked_axes: every element is its own block
+        ((2, 3, 1), 2),  # per-layer scalars, stacked as (layers..., 1)
     ],
 )
 def test_stacked_layers_update_like_separate_leaves(shape, stacked_axes):

@@ -65,7 +65,7 @@ def test_factor_update_kernel_lowers(platform, q_shape, r):
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_transform_lowers_with_kernels(platform):
-  params = {"w": _sds((2, 48, 64)), "b": _sds((2, 64)), "s": _sds(())}
+  params = {"w": _sds((2, 48, 64)), "b": _sds((2, 64)), "s": _sds((2, 1))}  # s: a scalar per layer
   tx = kron(optax.cosine_decay_schedule(1e-3, 100), weight_decay=0.1, stacked_axes=1)
   state = jax.eval_shape(tx.init, params)
   fused = lambda p, g, s: tx.apply_gradients(p, g, s)

@@ -90,7 +90,7 @@ def test_state_is_psgd_jax_layout():
         ({"min_ndim_triangular": 1}, (6,), [(6, 6)]),
         ({"stacked_axes": 1}, (3, 5, 4), [(3, 5, 5), (3, 4, 4)]),
         ({"stacked_axes": 2}, (2, 3, 5, 4), [(2, 3, 5, 5), (2, 3, 4, 4)]),
-        ({"stacked_axes": 1}, (3,), [(3,)]),  # per-layer scalars: elementwise
+        ({"stacked_axes": 1}, (3, 1), [(3, 1)]),  # per-layer scalars, stacked as (3, 1)
         ({"scanned_layers": {"w": True}}, (3, 5, 4), [(3, 5, 5), (3, 4, 4)]),
         ({"stacked_axes": 1}, (3, 1, 7), [(3, 1), (3, 7, 7)]),  # size-1 axes are diagonal
     ],
@@ -203,7 +203,7 @@ def test_stacked_layers_equal_their_slices_updated_alone():
 
 def test_interpreted_kernels_match_the_xla_path():
   params = {"w": jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 4)), jnp.float32),
-            "s": jnp.full((2,), 0.5, jnp.float32)}  # one scalar per layer
+            "s": jnp.full((2, 1), 0.5, jnp.float32)}  # one scalar per layer
   make = functools.partial(kron, 1e-2, weight_decay=0.1, stacked_axes=1)
   got = _run(make(impl="interpret"), params, 2, fused=True)
   want = _run(make(impl="xla"), params, 2, fused=True)

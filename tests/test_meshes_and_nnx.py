@@ -215,10 +215,12 @@ def test_structural_errors_name_the_argument_and_leaf():
   with pytest.raises(ValueError, match=r"muon: grads must have the same tree structure as "
                                        r"opt_state mu. missing in grads: \[\"\['b'\]\"\]"):
     tx.update({"w": jnp.ones((4, 4))}, tx.init(params))
-  scalar = {"w": jnp.ones((2, 4, 4)), "s": jnp.ones(())}
+  stacked = {"w": jnp.ones((2, 4, 4)), "gate": jnp.ones((2, 1))}
   for make in (lambda: pallasopt.optim.adafactor(1e-2, stacked_axes=1),
                lambda: pallasopt.optim.muon(1e-2, stacked_axes=1),
                lambda: pallasopt.optim.kron(1e-3, stacked_axes=1)):
-    with pytest.raises(ValueError, match=r"stacked_axes=1 .* leaf\['s'\] has shape \(\)"):
-      make().init(scalar)
-    make().init({"w": scalar["w"], "gate": jnp.ones((2,))})  # per-layer scalars are fine
+    make().init(stacked)
+    for bad, shape in (({"embed": jnp.ones((4,))}, r"\(4,\)"), ({"s": jnp.ones(())}, r"\(\)")):
+      (name,) = bad
+      with pytest.raises(ValueError, match=rf"stacked_axes=1 .* leaf\['{name}'\] has shape {shape}"):
+        make().init({**stacked, **bad})

@@ -282,7 +282,8 @@ def test_adamw_predicate_routes_embeddings_to_adamw():
 
 
 def test_stacked_axes_orthogonalize_each_matrix():
-  params = {"k": _params()["k"], "b": _params()["b"]}
+  # k: two stacked matrices; b: their stacked biases (AdamW).
+  params = {"k": _params()["k"], "b": _params()["b"][None].repeat(2, axis=0)}
   got = _trajectory(muon(1e-2, stacked_axes=1, impl="xla"), params)
   dims = {"k": DN(1, 2), "b": None}
   want = _trajectory(optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims), params)
