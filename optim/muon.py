@@ -371,7 +371,8 @@ def muon(
   Routing: without ``muon_weight_dimension_numbers``, a leaf is a Muon leaf
   iff its rank is ``2 + stacked_axes`` (its leading ``stacked_axes`` axes are
   a batch of matrices, each orthogonalized on its own; ``stacked_axes=0`` is
-  Optax's rank-2 rule) and ``adamw_predicate(path, leaf)`` is not true. With
+  Optax's rank-2 rule) and ``adamw_predicate(path, leaf)`` is not true; a
+  leaf of rank ``stacked_axes`` or less is an error that names it. With
   dimension numbers (a `MuonDimensionNumbers`, a tree or prefix tree of them
   with None for AdamW leaves, or a callable returning one), they decide, as in
   Optax, and ``stacked_axes`` is not used (their batch axes are implicit).
