@@ -97,7 +97,8 @@ def adafactor(
   ``v_row``/``v_col`` of shapes ``[layers, d_in]``/``[layers, d_out]``, but
   over ``layers`` once it is one of the two largest, and its RMS values mix
   all layers. A leaf with at most ``k`` axes raises a ValueError naming it
-  (stack a per-layer scalar as ``[layers, 1]``). With ``k > 0`` the state keeps Optax's structure and field
+  (stack a per-layer scalar as ``[layers, 1]``). With ``k > 0`` the state
+  keeps Optax's structure and field
   names; leaf shapes differ from Optax's only where Optax would have
   factored over a stacked axis.
 

@@ -41,7 +41,8 @@ Stacked layers: ``stacked_axes=n`` treats the first ``n`` axes of every leaf
 as independent layers (``[repeats, stages, d_in, d_out]`` with ``n = 2``): no
 factor for them, and each layer gets its own factors, damping mean and RMS
 clip. A leaf of rank ``n`` or less is an error that names it (stack a
-per-layer scalar as ``(layers, 1)``). ``scanned_layers`` (psgd_jax's per-leaf bools) marks one such axis per
+per-layer scalar as ``(layers, 1)``). ``scanned_layers`` (psgd_jax's
+per-leaf bools) marks one such axis per
 leaf. psgd_jax takes the damping mean and the RMS clip over a scanned leaf as
 a whole; here they are per layer, and each layer's probe comes from its
 own key, which is what lets a pipeline stage update its layers without the

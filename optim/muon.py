@@ -239,8 +239,7 @@ def _split_parts(flat_shape, split, blockwise, path):
 def _compute_dtype(x) -> jnp.dtype:
   """The dtype Muon computes a leaf in: f32 for the kernels' dtypes (f32 and
   bf16), the leaf's own otherwise (f16, f64, complex), as Optax does."""
-  dtype = jnp.result_type(x)
-  return jnp.dtype(jnp.float32) if v.kernel_dtypes(x) else dtype
+  return jnp.dtype(jnp.float32) if v.kernel_dtypes(x) else jnp.result_type(x)
 
 
 def _orthogonalize_all(stacks, table, *, optax_coeffs, preconditioning, eps, iter_dtype, impl):
@@ -467,17 +466,6 @@ def muon(
       ("second_moment_eps", second_moment_eps, math.inf, True),
   ):
     v.check_hyperparameter(_OWNER, name, value, high=high, high_inclusive=inclusive)
-  traced_steps = isinstance(ns_steps, jax.core.Tracer)
-  if traced_steps:
-    # optax.inject_hyperparams traces ns_steps: Optax's orthogonalization
-    # (a loop of traced length) then runs every Muon leaf, in every impl.
-    if isinstance(ns_coeffs, str) or ns_rule is not None:
-      raise TypeError(
-          f"{_OWNER}: a traced ns_steps works only with numeric ns_coeffs and no ns_rule; "
-          "under optax.inject_hyperparams pass static_args=MUON_STATIC_ARGS."
-      )
-  else:
-    ns_steps = v.static_int(_OWNER, "ns_steps", ns_steps, low=1, static_args="MUON_STATIC_ARGS")
   stacked_axes = v.static_int(
       _OWNER, "stacked_axes", stacked_axes, low=0, static_args="MUON_STATIC_ARGS"
   )
@@ -498,9 +486,18 @@ def muon(
   ):
     raise ValueError(f"{_OWNER}: blockwise must be a pair of positive ints; got {blockwise!r}.")
   v.optional_float_dtype(_OWNER, "iter_dtype", iter_dtype)
+  traced_steps = isinstance(ns_steps, jax.core.Tracer)
   if traced_steps:
+    # optax.inject_hyperparams traces ns_steps: Optax's orthogonalization
+    # (a loop of traced length) then runs every Muon leaf, in every impl.
+    if isinstance(ns_coeffs, str) or ns_rule is not None:
+      raise TypeError(
+          f"{_OWNER}: a traced ns_steps works only with numeric ns_coeffs and no ns_rule; "
+          "under optax.inject_hyperparams pass static_args=MUON_STATIC_ARGS."
+      )
     init_coeffs = np.asarray(ns_coeffs, np.float32)
   else:
+    ns_steps = v.static_int(_OWNER, "ns_steps", ns_steps, low=1, static_args="MUON_STATIC_ARGS")
     init_coeffs = _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs)
   table_steps = ns_steps if init_coeffs.ndim == 1 else None
   mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
