@@ -12,11 +12,14 @@ dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
 * `pallasopt.kernels.newton_schulz`: batched Newton–Schulz orthogonalization
   (Muon; entry point ``newton_schulz.newton_schulz``), resident on chip for small matrices, symmetric tiled matmuls for
   large ones;
+* `pallasopt.kernels.gram`: symmetric Gram matrices ``X Xᵀ``, upper blocks
+  only (Newton–Schulz's symmetric products): a block recursion in XLA and a
+  Mosaic GPU ``wgmma`` kernel;
 * `pallasopt.kernels.kron`: PSGD Kron preconditioner application and factor
   update.
 """
 
-from pallasopt.kernels import adafactor, adamw, kron, lion, newton_schulz
+from pallasopt.kernels import adafactor, adamw, gram, kron, lion, newton_schulz
 from pallasopt.kernels._dispatch import (
     IMPLS,
     PLATFORMS,
@@ -71,6 +74,7 @@ __all__ = [
     # Family modules.
     "adafactor",
     "adamw",
+    "gram",
     "kron",
     "lion",
     "newton_schulz",

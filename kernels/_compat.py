@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
@@ -19,6 +20,7 @@ from pallasopt.kernels._tiling import check_backend
 __all__ = [
     "JAX_VERSION",
     "pl",
+    "plgpu",
     "pltpu",
     "pltriton",
     "TPUCompilerParams",
@@ -26,6 +28,7 @@ __all__ = [
     "shard_map",
     "lowering_platform",
     "compiler_params",
+    "mosaic_gpu_interpret",
     "explicit_spec",
     "reshard_like",
     "gathered",
@@ -34,6 +37,19 @@ __all__ = [
 JAX_VERSION: tuple[int, ...] = tuple(
     int(part) for part in jax.__version__.split(".")[:3] if part.isdigit()
 )
+
+def mosaic_gpu_interpret(interpret: bool) -> dict:
+  """``plgpu.kernel`` keywords that run it in the Mosaic GPU interpreter (or not).
+
+  The interpreter's parameters have no public name (JAX's own tests import
+  them from ``jax._src``, as here).
+  """
+  if not interpret:
+    return {}
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+  return {"interpret": InterpretGPUParams()}
+
 
 TPUCompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(
     pltpu, "TPUCompilerParams"

@@ -28,7 +28,7 @@ held in between matmuls; every matmul accumulates in f32
 (``preferred_element_type``) and every epilogue (``b A + c A^2``,
 ``a X + B X``) runs in f32 before one rounding to ``iter_dtype``.
 
-Regimes (`newton_schulz_kernel`, ``regime="auto"``):
+Regimes (`newton_schulz_kernel`, ``regime="auto"``, `choose_regime`):
 
 * **resident** (one launch, grid over the stack): X, A and B of one matrix stay
   on chip for all steps, so a step costs no HBM traffic at all. Chosen when the
@@ -40,13 +40,22 @@ Regimes (`newton_schulz_kernel`, ``regime="auto"``):
   lives in the registers and shared memory of one program (228 KiB of shared
   memory and 64K registers per H100 SM), and larger blocks spill.
 * **tiled** (three launches per step): larger matrices. See `_tiled_step`.
+* **wgmma** (CUDA, bf16 iterates; chosen for them on CUDA): both symmetric
+  products of a step on the Mosaic GPU upper-tile Gram kernel
+  (`gram.gram_kernel`, Hopper ``wgmma`` with TMA pipelining), ``B X`` and
+  the epilogues in XLA (cuBLAS). Not yet timed on a GPU.
 
 Dispatch: ``impl="auto"`` runs the Mosaic kernel on TPU but the XLA reference
-on CUDA GPUs, where cuBLAS is faster than these Triton kernels. Measured on an
-H100 (bench/results/nvidia-h100-80gb-hbm3, commit 5e874f6, f32 iterates,
-5 steps, one Muon step each): 1024² 0.86 ms Triton vs 0.26 ms Optax (XLA),
-4096² 29.8 vs 6.1 ms, 4096×11008 63.0 vs 12.6 ms, a stack of 64 × (256, 1024)
-1.88 vs 1.24 ms. ``impl="pallas"`` still runs the Triton kernels.
+on CUDA GPUs and CPUs. Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3,
+commit 5e874f6, f32 iterates, 5 steps, one Muon step each), the Triton kernels
+lost to XLA: 1024² 0.86 ms Triton vs 0.26 ms Optax (XLA), 4096² 29.8 vs
+6.1 ms, 4096×11008 63.0 vs 12.6 ms, a stack of 64 × (256, 1024) 1.88 vs
+1.24 ms. ``impl="pallas"`` still runs them (f32 iterates) or the wgmma regime
+(bf16 iterates). The reference computes its symmetric products by
+`gram.block_gram` (``gram_levels``): on CPU that is measured (XLA's compiled
+flop count) at 0.69x of Optax's Muon step on a 4096² matrix, 0.74x on GPT-2
+small's Muon tree and 0.74x on the 1B decoder's (tests/test_gram.py); its GPU
+time is not yet measured (``bench`` rows).
 
 Zero padding (to the legal block dims of `_matrix.padded_dims`) is exact:
 with :math:`X' = [[X, 0], [0, 0]]`, :math:`A' = X'X'^\top = [[A, 0], [0, 0]]`,
@@ -55,8 +64,10 @@ block form at every step; the Frobenius norm and :math:`\|A\|_F` are
 unchanged, and the AOL row scaling multiplies only zero rows of the padding.
 
 Cost: 5 steps cost :math:`20 m^2 n + 10 m^3` flops as written; computing only
-the upper triangle of the symmetric :math:`A` and :math:`A^2` (tiled regime)
-makes it :math:`15 m^2 n + 5 m^3`.
+the upper triangle of the symmetric :math:`A` and :math:`A^2` (tiled and
+wgmma regimes) makes it :math:`15 m^2 n + 5 m^3`, and the reference's
+``L``-level block recursion :math:`(10 + 5 f) m^2 n + 10 f m^3` with
+:math:`f = (2^L+1)/2^L` (`ns_flops`).
 """
 
 from __future__ import annotations
@@ -71,6 +82,7 @@ from pallasopt.kernels import _compat, _matrix
 from pallasopt.kernels._compat import pl, pltpu
 from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._elementwise import scalar_input
+from pallasopt.kernels.gram import gram_kernel, gram_reference, mirror_upper, resolve_levels
 
 __all__ = [
     "PRESETS",
@@ -145,7 +157,7 @@ REPEAT_LAST_PRESETS = ("polar_express", "cans", "deepseekv4")
 # Tables designed as a whole for one step count: neither cycled nor extended.
 FIXED_STEP_PRESETS = ("cubic5",)
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten", "none")
-REGIMES = ("auto", "resident", "tiled")
+REGIMES = ("auto", "resident", "tiled", "wgmma")
 
 _TPU_RESIDENT_BYTES = 24 * 2**20
 _TPU_VMEM_HEADROOM = 8 * 2**20
@@ -202,23 +214,46 @@ def preset_table(name: str, steps: int | None = None) -> np.ndarray:
   return np.asarray(coefficient_table(np.asarray(PRESETS[name]), steps, rule))
 
 
-def ns_flops(rows: int, cols: int, steps: int, *, symmetric: bool = False) -> int:
-  """Matmul flops of ``steps`` NS steps on one matrix (``m = min``, ``n = max``)."""
+def ns_flops(
+    rows: int, cols: int, steps: int, *, symmetric: bool = False, gram_levels: int = 0
+) -> int:
+  r"""Matmul flops of ``steps`` NS steps on one matrix (``m = min``, ``n = max``).
+
+  ``symmetric``: the tiled kernel's exact upper triangle (half of
+  :math:`X X^\top` and of :math:`A^2`); ``gram_levels=L``: the reference's
+  block-symmetric products (`block_gram`) on ``m`` padded to a multiple of
+  :math:`2^L`, which cost :math:`(2^L+1)/2^{L+1}` of full ones.
+  """
   m, n = min(rows, cols), max(rows, cols)
-  per_step = 3 * m * m * n + m**3 if symmetric else 4 * m * m * n + 2 * m**3
-  return steps * per_step
+  if symmetric:
+    return steps * (3 * m * m * n + m**3)
+  if gram_levels:
+    m = _matrix.round_up(m, 2**gram_levels)
+    blocks = 2**gram_levels
+    # One level-l product per 2^l pairs of (m / 2^(l+1))-row halves, plus the
+    # 2^L diagonal blocks in full: m^2 k (blocks + 1) / blocks flops in all.
+    gram = lambda k: m * m * k * (blocks + 1) // blocks
+    return steps * (gram(n) + gram(m) + 2 * m * m * n)
+  return steps * (4 * m * m * n + 2 * m**3)
 
 
 # ---- Math shared by the reference and the kernels (values, not refs). ----
 
 
 def _dot(a, b):
-  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  """``a b`` over the last two axes (leading axes batched), in f32."""
+  batch = tuple(range(a.ndim - 2))
+  return jax.lax.dot_general(
+      a, b, (((a.ndim - 1,), (a.ndim - 2,)), (batch, batch)), preferred_element_type=jnp.float32
+  )
 
 
 def _gram(x):
-  """``x xᵀ`` in f32 (contracting the last axis of both operands)."""
-  return jax.lax.dot_general(x, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  """``x xᵀ`` over the last two axes (leading axes batched), in f32."""
+  batch = tuple(range(x.ndim - 2))
+  return jax.lax.dot_general(
+      x, x, (((x.ndim - 1,), (x.ndim - 1,)), (batch, batch)), preferred_element_type=jnp.float32
+  )
 
 
 def _frobenius_scale(x, eps):
@@ -238,23 +273,43 @@ def _first_step_rescale(x, gram, preconditioning: str, eps: float):
   return x * s, gram * (s * s)
 
 
-def _ns_step(x, gram, a, b, c, dtype):
-  """``a X + (b A + (c A) A) X`` with f32 epilogues, rounded to ``dtype``."""
-  poly = b * gram + _dot((c * gram).astype(dtype), gram.astype(dtype))
+def _per_matrix(fn, *arrays):
+  """``fn`` of one matrix applied to a matrix or to every matrix of a stack."""
+  return fn(*arrays) if arrays[0].ndim == 2 else jax.vmap(fn)(*arrays)
+
+
+def _ns_step(x, gram, a, b, c, dtype, symmetric_gram=None):
+  r"""``a X + (b A + (c A) A) X`` with f32 epilogues, rounded to ``dtype``.
+
+  ``symmetric_gram`` (a stack's Gram matrices, e.g. `gram.gram_reference`)
+  computes the symmetric :math:`A^2 = A A^\top`, then scaled by ``c``; None
+  is Optax's ``(c A) @ A``.
+  """
+  if symmetric_gram is None:
+    square = _dot((c * gram).astype(dtype), gram.astype(dtype))
+  else:
+    square = c * symmetric_gram(gram.astype(dtype))
+  poly = b * gram + square
   return (a * x.astype(jnp.float32) + _dot(poly.astype(dtype), x.astype(dtype))).astype(dtype)
 
 
-def _ns_iterations(x, coeff, steps: int, preconditioning: str, eps: float, dtype):
-  """All steps on one wide matrix; ``coeff(k, j)`` reads coefficient j of step k."""
+def _ns_iterations(x, coeff, steps: int, preconditioning: str, eps: float, dtype, symmetric_gram=None):
+  """All steps on one wide matrix or a stack of them.
+
+  ``coeff(k, j)`` reads coefficient j of step k. ``symmetric_gram`` (stacks
+  only) computes both symmetric products of a step; None computes them as
+  Optax does (one dot each).
+  """
   if preconditioning == "frobenius":
-    x = _frobenius_scale(x, eps)
+    x = _per_matrix(functools.partial(_frobenius_scale, eps=eps), x)
   x = x.astype(dtype)
   for k in range(steps):
-    gram = _gram(x)
+    gram = _gram(x) if symmetric_gram is None else symmetric_gram(x)
     if k == 0 and preconditioning in ("aol", "schatten"):
-      x, gram = _first_step_rescale(x, gram, preconditioning, eps)
+      rescale = functools.partial(_first_step_rescale, preconditioning=preconditioning, eps=eps)
+      x, gram = _per_matrix(rescale, x, gram)
       x = x.astype(dtype)
-    x = _ns_step(x, gram, coeff(k, 0), coeff(k, 1), coeff(k, 2), dtype)
+    x = _ns_step(x, gram, coeff(k, 0), coeff(k, 1), coeff(k, 2), dtype, symmetric_gram)
   return x
 
 
@@ -302,11 +357,14 @@ def newton_schulz_reference(
     preconditioning: str = "frobenius",
     eps: float = 1e-8,
     iter_dtype=None,
+    gram_levels: int | None = None,
 ):
-  """Pure-jnp Newton–Schulz of every matrix in ``x`` (the XLA path).
+  r"""Pure-jnp Newton–Schulz of every matrix in ``x`` (the XLA path).
 
   Equals `optax.contrib.orthogonalize_via_newton_schulz` for f32 inputs and the
-  same coefficients.
+  same coefficients: op for op with ``gram_levels=0``; otherwise the two
+  symmetric products of each step (:math:`X X^\top`, :math:`A^2`) are
+  computed by `gram.block_gram`, the same sums up to f32 rounding order.
 
   Args:
     x: ``(..., rows, cols)``; leading axes are a batch of matrices.
@@ -315,6 +373,9 @@ def newton_schulz_reference(
     eps: added to the norm (``frobenius``, ``spectral``); floor of the
       ``aol``/``schatten`` rescaling.
     iter_dtype: f32 or bf16 dtype of the iterates (default: ``x.dtype``).
+    gram_levels: `gram.block_gram` levels of the symmetric products; None
+      picks `gram.gram_levels_for` the (wide) matrices' row count; 0
+      computes them in full, as Optax does.
 
   Returns:
     The orthogonalized matrices, shape and dtype of ``x``.
@@ -322,13 +383,14 @@ def newton_schulz_reference(
   coeffs = jnp.asarray(coeffs, jnp.float32)
   dtype = _check_args(x, coeffs, preconditioning, iter_dtype)
   stack, restore = _wide_stack(x)
+  gram_levels = resolve_levels(gram_levels, stack.shape[1])
   if preconditioning == "spectral":
     stack, preconditioning = _spectral_prescale(stack, eps), "none"
-  one = functools.partial(
-      _ns_iterations, coeff=lambda k, j: coeffs[k, j], steps=coeffs.shape[0],
-      preconditioning=preconditioning, eps=eps, dtype=dtype,
+  symmetric = functools.partial(gram_reference, levels=gram_levels) if gram_levels else None
+  out = _ns_iterations(
+      stack, lambda k, j: coeffs[k, j], coeffs.shape[0], preconditioning, eps, dtype, symmetric
   )
-  return restore(jax.vmap(one)(stack))
+  return restore(out)
 
 
 # ---- Resident regime: one launch, all steps on chip. ----
@@ -349,8 +411,10 @@ def _resident_bytes(dims: tuple[int, int]) -> int:
   return 4 * (6 * m * n + 3 * m * m)
 
 
-def choose_regime(rows: int, cols: int, backend: str) -> str:
-  """``"resident"`` or ``"tiled"`` for one matrix (see the module docstring)."""
+def choose_regime(rows: int, cols: int, backend: str, iter_dtype=jnp.float32) -> str:
+  """The regime of one matrix (see the module docstring)."""
+  if backend == "triton" and jnp.dtype(iter_dtype) == jnp.dtype(jnp.bfloat16):
+    return "wgmma"
   m, n = min(rows, cols), max(rows, cols)
   dims = _matrix.padded_dims(m, n, backend)
   if backend == "tpu":
@@ -526,13 +590,6 @@ def _tiled_call(
   )(scalar_vec, *operands)
 
 
-def _mirror_upper(sym, tile):
-  """The full symmetric matrix from its upper triangle of tiles (XLA)."""
-  blocks = jnp.arange(sym.shape[-1]) // tile
-  upper = blocks[:, None] <= blocks[None, :]
-  return jnp.where(upper, sym, jnp.swapaxes(sym, -1, -2))
-
-
 def _tiled_step(x, a_b_c, *, first_rescale, eps, dtype, tile, backend, interpret):
   r"""One NS step on a padded stack ``x`` (``(batch, M, N)``, ``dtype``).
 
@@ -561,8 +618,8 @@ def _tiled_step(x, a_b_c, *, first_rescale, eps, dtype, tile, backend, interpret
       flops=batch * rows * rows * cols,
   )
   if first_rescale is not None:
-    full = _mirror_upper(gram, tile)
-    x, gram = jax.vmap(functools.partial(_first_step_rescale, preconditioning=first_rescale, eps=eps))(x, full)
+    rescale = functools.partial(_first_step_rescale, preconditioning=first_rescale, eps=eps)
+    x, gram = _per_matrix(rescale, x, mirror_upper(gram))
     x = x.astype(dtype)
   poly = call(
       [gram, gram, gram], ("sym_ik", "sym_kj", "ij"), a_b_c,
@@ -587,7 +644,7 @@ def _tiled(stack, coeffs, *, tile, preconditioning, eps, dtype, backend, interpr
     )
   _, m, n = stack.shape
   if preconditioning == "frobenius":
-    stack = jax.vmap(functools.partial(_frobenius_scale, eps=eps))(stack)
+    stack = _per_matrix(functools.partial(_frobenius_scale, eps=eps), stack)
   dims = (_matrix.round_up(m, tile), _matrix.round_up(n, tile))
   x = _matrix.pad_stack(stack.astype(dtype), dims)
   first_rescale = preconditioning if preconditioning in ("aol", "schatten") else None
@@ -616,8 +673,8 @@ def newton_schulz_kernel(
   Args:
     backend: ``"tpu"`` or ``"triton"``.
     interpret: run in the Pallas interpreter.
-    regime: ``"auto"`` (by size, `choose_regime`), ``"resident"`` or
-      ``"tiled"``.
+    regime: ``"auto"`` (`choose_regime`), ``"resident"``, ``"tiled"`` or,
+      on CUDA GPUs with bf16 iterates, ``"wgmma"``.
     tile: tile edge of the tiled regime (default per backend); a power of two,
       at least 16 (Triton) or a multiple of 128 (TPU).
   """
@@ -629,7 +686,14 @@ def newton_schulz_kernel(
   if preconditioning == "spectral":
     stack, preconditioning = _spectral_prescale(stack, eps), "none"
   if regime == "auto":
-    regime = choose_regime(stack.shape[1], stack.shape[2], backend)
+    regime = choose_regime(stack.shape[1], stack.shape[2], backend, dtype)
+  if regime == "wgmma":
+    if backend != "triton":
+      raise ValueError(f"regime='wgmma' is a CUDA GPU (Hopper) regime; got backend {backend!r}.")
+    return restore(
+        _wgmma(stack, coeffs, preconditioning=preconditioning, eps=eps, dtype=dtype,
+               interpret=interpret)
+    )
   kwargs = dict(
       preconditioning=preconditioning, eps=eps, dtype=dtype, backend=backend,
       interpret=interpret,
@@ -639,6 +703,22 @@ def newton_schulz_kernel(
   else:
     out = _tiled(stack, coeffs, tile=tile, **kwargs)
   return restore(out)
+
+
+def _wgmma(stack, coeffs, *, preconditioning, eps, dtype, interpret):
+  """NS with both symmetric products on the Mosaic GPU `gram_kernel`.
+
+  ``B X`` and the f32 epilogues stay XLA (cuBLAS): only the symmetric
+  products have flops to save.
+  """
+  if dtype != jnp.dtype(jnp.bfloat16):
+    raise TypeError(
+        f"regime='wgmma' runs bfloat16 iterates (iter_dtype=jnp.bfloat16); got {dtype}."
+    )
+  symmetric = functools.partial(gram_kernel, interpret=interpret)
+  return _ns_iterations(
+      stack, lambda k, j: coeffs[k, j], coeffs.shape[0], preconditioning, eps, dtype, symmetric
+  )
 
 
 def newton_schulz(
@@ -651,6 +731,7 @@ def newton_schulz(
     impl: str = "auto",
     regime: str = "auto",
     tile: int | None = None,
+    gram_levels: int | None = None,
 ):
   """Orthogonalizes every matrix of ``x`` (``(..., rows, cols)``) in one call.
 
@@ -662,10 +743,12 @@ def newton_schulz(
     iter_dtype: f32 or bf16 iterates (default ``x.dtype``); f32 accumulation.
     impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`);
       ``"auto"`` runs the reference on CUDA GPUs (see the module docstring).
+    gram_levels: see `newton_schulz_reference` (the XLA path only; the
+      kernels' regimes are symmetric in their own way).
     regime, tile: see `newton_schulz_kernel` (ignored by the reference).
   """
   fn = dispatch(
-      newton_schulz_reference,
+      functools.partial(newton_schulz_reference, gram_levels=gram_levels),
       functools.partial(newton_schulz_kernel, regime=regime, tile=tile),
       impl,
       auto_on_cuda="xla",

@@ -137,9 +137,31 @@ def run_optax_f32_math(make, kwargs, params, steps, fused, moment_of=None, *, fe
   return params, state
 
 
+# ---- Newton–Schulz spectra. ----
+
+
+def spread_spectrum(rng: np.random.Generator, rows: int, cols: int):
+  """A ``rows x cols`` f32 matrix (rows <= cols) with singular values spread
+  geometrically over [0.05, 1], and those values after Frobenius scaling."""
+  u, _ = np.linalg.qr(rng.standard_normal((rows, rows)))
+  w, _ = np.linalg.qr(rng.standard_normal((cols, rows)))
+  sigma = np.geomspace(1.0, 0.05, rows)
+  return jnp.asarray((u * sigma) @ w.T, jnp.float32), sigma / np.sqrt(np.sum(sigma**2))
+
+
+def promised_band(table, lo: float, hi: float) -> tuple[float, float]:
+  """[min, max] of the composed scalar NS polynomials of ``table`` over [lo, hi]."""
+  s = np.linspace(lo, hi, 20001)
+  for a, b, c in np.asarray(table, np.float64):
+    s = a * s + b * s**3 + c * s**5
+  return s.min(), s.max()
+
+
 # ---- Cross-platform lowering from the CPU host. ----
 
 CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+# A Pallas Mosaic GPU kernel's custom call (`mosaic_gpu_v2` on jax 0.10).
+MOSAIC_GPU_CALL = "custom_call @mosaic_gpu"
 # Leaf shapes lowering tests cover: 0-d, flat ragged, row-ragged, 4-d, a large
 # prime size and a large matrix (as ShapeDtypeStructs they cost nothing).
 LOWERING_SHAPES = [(), (7,), (37, 128), (3, 5, 7, 11), (1_000_003,), (4096, 1024)]

@@ -13,6 +13,7 @@ import pytest
 
 import pallasopt
 from helpers import assert_close, random_array
+from pallasopt.kernels import gram
 from pallasopt.kernels import newton_schulz as ns
 from pallasopt.optim.muon import muon
 
@@ -36,6 +37,26 @@ def test_triton_newton_schulz_equals_reference(shape, regime, dtype):
     want = jax.jit(ns.newton_schulz_reference)(x, table)
   assert got.dtype == x.dtype
   assert_close(got, want, 5e-2 if dtype == jnp.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize("shape", [(2, 100, 200), (1, 1024, 4096), (3, 768, 3072)], ids=str)
+def test_mosaic_gpu_gram_equals_reference(shape):
+  x = random_array(np.random.default_rng(0), shape, jnp.bfloat16)
+  got = jax.jit(gram.gram_kernel)(x)
+  with _HIGHEST:
+    want = jax.jit(functools.partial(gram.gram_reference, levels=0))(x)
+  # Same exact bf16 products, f32 sums in another order: 2 n u of |x||x|ᵀ.
+  assert_close(got, want, 2 * shape[-1] * float(jnp.finfo(jnp.float32).eps))
+
+
+@pytest.mark.parametrize("shape", [(8, 256, 1024), (1024, 1024), (768, 3072)], ids=str)
+def test_wgmma_newton_schulz_equals_reference(shape):
+  x = random_array(np.random.default_rng(1), shape, jnp.float32)
+  table = jnp.asarray(ns.preset_table("quintic", 5))
+  fn = functools.partial(ns.newton_schulz, iter_dtype=jnp.bfloat16, impl="pallas")
+  got = jax.jit(fn)(x, table)
+  want = jax.jit(functools.partial(ns.newton_schulz_reference, iter_dtype=jnp.bfloat16))(x, table)
+  assert_close(got, want, 5e-2)
 
 
 def test_fused_muon_on_gpu_matches_optax_over_steps():

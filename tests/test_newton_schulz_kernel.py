@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import assert_close, random_array
+from helpers import assert_close, promised_band, random_array, spread_spectrum
 from pallasopt.kernels import newton_schulz as ns
 
 _SIMPLE = (3.4445, -4.7750, 2.0315)
@@ -92,28 +92,14 @@ def test_tiled_kernel_equals_reference(shape, preconditioning, dtype):
   assert_close(got, want, _tolerance(dtype))
 
 
-def _promised_band(table, lo, hi):
-  """[min, max] of the composed scalar polynomials over [lo, hi]."""
-  s = np.linspace(lo, hi, 20001)
-  for a, b, c in np.asarray(table, np.float64):
-    s = a * s + b * s**3 + c * s**5
-  return s.min(), s.max()
-
-
 @pytest.mark.parametrize(
     "preset,steps,kernel",
     [("simple", 5, True), ("polar_express", 8, False), ("cans", 5, False), ("cubic5", 5, True)],
 )
 def test_singular_values_lie_in_the_promised_band(preset, steps, kernel):
-  rng = np.random.default_rng(4)
-  # A spectrum spread over [0.05, 1] (relative) after normalization.
-  u, _ = np.linalg.qr(rng.standard_normal((32, 32)))
-  w, _ = np.linalg.qr(rng.standard_normal((48, 32)))
-  sigma = np.geomspace(1.0, 0.05, 32)
-  g = jnp.asarray((u * sigma) @ w.T, jnp.float32)
-  scaled = sigma / np.sqrt(np.sum(sigma**2))
+  g, scaled = spread_spectrum(np.random.default_rng(4), 32, 48)
   table = _table(preset, steps)
-  band = _promised_band(table, scaled.min(), scaled.max())
+  band = promised_band(table, scaled.min(), scaled.max())
   outs = [_ns(g, table)] + ([_ns(g, table, impl="interpret", regime="resident")] if kernel else [])
   for out in outs:
     sv = np.linalg.svd(np.asarray(out, np.float64), compute_uv=False)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import pallasopt
-from helpers import CUSTOM_CALL, lowered_text
+from helpers import CUSTOM_CALL, MOSAIC_GPU_CALL, lowered_text
+from pallasopt.kernels import gram
 from pallasopt.kernels import newton_schulz as ns
 from pallasopt.optim.muon import muon
 
@@ -23,13 +24,21 @@ def _sds(shape, dtype=jnp.float32):
 
 # (shape, dtype, preconditioning, launches per platform). Small stacks run
 # resident (one launch); large matrices tiled (3 launches per step, 5 steps).
+# On CUDA, bf16 iterates run the wgmma regime: two Mosaic GPU Gram kernels per
+# step (``cuda`` counts (Triton, Mosaic GPU) launches).
 CASES = [
-    ((4, 24, 40), jnp.float32, "frobenius", {"tpu": 1, "cuda": 1}),
-    ((40, 24), jnp.bfloat16, "aol", {"tpu": 1, "cuda": 1}),
-    ((64, 256, 1024), jnp.bfloat16, "schatten", {"tpu": 1, "cuda": 15}),
-    ((1024, 1024), jnp.float32, "frobenius", {"tpu": 15, "cuda": 15}),
-    ((4096, 1000), jnp.bfloat16, "spectral", {"tpu": 15, "cuda": 15}),
+    ((4, 24, 40), jnp.float32, "frobenius", {"tpu": 1, "cuda": (1, 0)}),
+    ((40, 24), jnp.bfloat16, "aol", {"tpu": 1, "cuda": (0, 10)}),
+    ((64, 256, 1024), jnp.bfloat16, "schatten", {"tpu": 1, "cuda": (0, 10)}),
+    ((1024, 1024), jnp.float32, "frobenius", {"tpu": 15, "cuda": (15, 0)}),
+    ((4096, 1000), jnp.bfloat16, "spectral", {"tpu": 15, "cuda": (0, 10)}),
 ]
+
+
+def _launches(text, platform):
+  if platform == "tpu":
+    return text.count(CUSTOM_CALL["tpu"])
+  return text.count(CUSTOM_CALL["cuda"]), text.count(MOSAIC_GPU_CALL)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -37,7 +46,18 @@ CASES = [
 def test_newton_schulz_lowers(platform, shape, dtype, preconditioning, launches):
   fn = lambda x, t: ns.newton_schulz(x, t, preconditioning=preconditioning, impl="pallas")
   text = lowered_text(fn, platform, _sds(shape, dtype), _sds((5, 3)))
-  assert text.count(CUSTOM_CALL[platform]) == launches[platform]
+  assert _launches(text, platform) == launches[platform]
+
+
+def test_f32_input_with_bf16_iterates_runs_wgmma_on_cuda():
+  fn = lambda x, t: ns.newton_schulz(x, t, iter_dtype=jnp.bfloat16, impl="pallas")
+  text = lowered_text(fn, "cuda", _sds((2, 512, 1536)), _sds((5, 3)))
+  assert _launches(text, "cuda") == (0, 10)
+
+
+def test_symmetric_gram_kernel_lowers_for_cuda():
+  text = lowered_text(gram.gram_kernel, "cuda", _sds((3, 4096, 11008), jnp.bfloat16))
+  assert _launches(text, "cuda") == (0, 1)
 
 
 def test_auto_runs_mosaic_on_tpu_and_xla_on_cuda():
