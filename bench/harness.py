@@ -77,7 +77,7 @@ How a configuration is measured
    separately from the run; the compiled step's ``memory_analysis()`` gives
    its argument/output/alias/temp bytes and so its footprint (what in-place
    aliasing saves shows in the alias and temp columns), and
-   ``cost_analysis()`` XLA's own bytes-accessed count.
+   ``cost_analysis()`` XLA's own bytes-accessed and flop counts.
 2. ``R`` independent input sets rotate (``R`` grows until they cover
    `Settings.rotate_bytes`), so small sizes are not served from cache.
 3. GPU: CUPTI kernel timing (`jax.experimental.mosaic.gpu.profiler`'s
@@ -732,14 +732,16 @@ def _memory(compiled) -> dict | None:
   return out
 
 
-def _xla_bytes(compiled) -> float | None:
+def _xla_cost(compiled) -> dict[str, float | None]:
+  """XLA's own count of the compiled step's bytes accessed and flops."""
   try:
     cost = compiled.cost_analysis()
   except Exception:  # noqa: BLE001
-    return None
+    cost = None
   if isinstance(cost, list):
     cost = cost[0] if cost else None
-  return None if not cost else cost.get("bytes accessed")
+  cost = cost or {}
+  return {"xla_bytes_accessed": cost.get("bytes accessed"), "xla_flops": cost.get("flops")}
 
 
 def _all_finite(tree: Any) -> bool:
@@ -771,7 +773,7 @@ def _measure(
       "lower_s": t1 - t0,
       "compile_s": t2 - t1,
       "memory": _memory(compiled),
-      "xla_bytes_accessed": _xla_bytes(compiled),
+      **_xla_cost(compiled),
   }
   rotations = _rotations(set_bytes, leaves, s)
   carries, consts = _make_sets(inputs, rotations, seed)

@@ -168,7 +168,8 @@ def test_compute_rows_are_divided_by_the_matmul_ceiling_of_their_own_dtype(tmp_p
 
 def test_compute_cases_name_the_dtype_their_matmuls_run_in():
   for case in kernels.cases("ci", ("muon", "kron")):
-    want = "bfloat16" if case.label.endswith("/bfloat16") else "float32"
+    # bf16 params iterate in bf16; "ns-bf16" rows are f32 params, bf16 iterates.
+    want = "bfloat16" if case.label.endswith(("/bfloat16", "/ns-bf16")) else "float32"
     assert case.metric == "compute" and case.compute_dtype == want, case.key
   assert any(c.compute_dtype == "bfloat16" for c in kernels.cases("ci", ("muon",)))
   assert harness.compute_dtype(_matmul_case(jnp.bfloat16, explicit=False)) == "bfloat16"
