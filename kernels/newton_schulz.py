@@ -66,7 +66,7 @@ unchanged, and the AOL row scaling multiplies only zero rows of the padding.
 Cost: 5 steps cost :math:`20 m^2 n + 10 m^3` flops as written; computing only
 the upper triangle of the symmetric :math:`A` and :math:`A^2` (tiled and
 wgmma regimes) makes it :math:`15 m^2 n + 5 m^3`, and the reference's
-``L``-level block recursion :math:`(10 + 5 f) m^2 n + 10 f m^3` with
+``L``-level block recursion :math:`(10 + 5 f) m^2 n + 5 f m^3` with
 :math:`f = (2^L+1)/2^L` (`ns_flops`).
 """
 
