@@ -16,10 +16,13 @@ dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
   only (Newton–Schulz's symmetric products): a block recursion in XLA and a
   Mosaic GPU ``wgmma`` kernel;
 * `pallasopt.kernels.kron`: PSGD Kron preconditioner application and factor
-  update.
+  update;
+* `pallasopt.kernels.quant`: low-precision state shared by every family:
+  8-bit blockwise codes (dynamic tree maps), counter-hash random bits and
+  stochastic rounding to bfloat16.
 """
 
-from pallasopt.kernels import adafactor, adamw, gram, kron, lion, newton_schulz
+from pallasopt.kernels import adafactor, adamw, gram, kron, lion, newton_schulz, quant
 from pallasopt.kernels._dispatch import (
     IMPLS,
     PLATFORMS,
@@ -78,6 +81,7 @@ __all__ = [
     "kron",
     "lion",
     "newton_schulz",
+    "quant",
     # AdamW.
     "AdamWScalars",
     "adamw_apply",

@@ -11,6 +11,11 @@ Every block is legal on both targets: its last two dims are multiples of
 power of two (Triton). The last block along each axis may be ragged; TPU pads
 it, and the Triton kernels mask their loads and stores (see `_elementwise`).
 
+A kernel that reduces along whole rows (8-bit state: one scale per block of
+256 elements) asks for ``lanes=256``: the view is then ``(n // 256, 256)``
+and ``n`` must be a multiple of 256; its TPU blocks have at least 32 rows, a
+whole packed tile of 8-bit codes.
+
 Block sizes differ per backend. TPU pays ~0.35 us per grid step, so its blocks
 are large (up to 512 x 128 elements, 256 KiB per f32 operand, well inside the
 default scoped VMEM even with seven double-buffered operands). Triton keeps a
@@ -30,6 +35,7 @@ LANES = 128
 # Rows of a block: a multiple of 16 so bf16 operands fill whole packed tiles.
 _MIN_ROWS = 16
 _MAX_ROWS = {"tpu": 512, "triton": 16}
+_MIN_ROWS_8BIT = 32
 _MAX_FLAT_LANES = {"tpu": 8192, "triton": 2048}
 
 
@@ -70,16 +76,30 @@ def check_backend(backend: str) -> None:
     raise ValueError(f"backend must be 'tpu' or 'triton'; got {backend!r}.")
 
 
-def plan_tiles(size: int, backend: str) -> TilePlan:
+def plan_tiles(size: int, backend: str, *, lanes: int = LANES) -> TilePlan:
   """Plans the view and blocks of a leaf with `size` elements.
 
   Args:
     size: element count of the leaf (0-d leaves have size 1).
     backend: ``"tpu"`` or ``"triton"``; picks the block size.
+    lanes: the view's row length, a power-of-two multiple of 128; above 128,
+      ``size`` must be a multiple of it.
   """
   check_backend(backend)
   if size <= 0:
     raise ValueError(f"cannot tile an empty leaf (size={size}).")
+  if lanes % LANES or lanes != pow2_at_least(lanes):
+    raise ValueError(f"lanes must be a power-of-two multiple of {LANES}; got {lanes}.")
+  if lanes > LANES:
+    if size % lanes:
+      raise ValueError(
+          f"a view with {lanes} lanes needs a multiple of {lanes} elements; got {size}."
+      )
+    rows = size // lanes
+    # The same element budget per block; 8-bit tiles on TPU are (32, 128).
+    max_rows = _MAX_ROWS[backend] * LANES // lanes
+    block_rows = min(max_rows, max(_MIN_ROWS_8BIT, pow2_at_least(rows)))
+    return TilePlan(size, (rows, lanes), (block_rows, lanes))
   if size % LANES == 0:
     rows = size // LANES
     block_rows = min(_MAX_ROWS[backend], max(_MIN_ROWS, pow2_at_least(rows)))

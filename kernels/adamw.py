@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasopt.kernels._dispatch import dispatch
-from pallasopt.kernels._elementwise import kernel_update, reference_update
+from pallasopt.kernels._elementwise import kernel_update, per_element, reference_update
 
 __all__ = [
     "AdamWScalars",
@@ -57,6 +57,8 @@ __all__ = [
     "FLOPS_PER_ELEMENT",
 ]
 
+# The 8-bit maps of (m, v): m is signed, v >= 0.
+_SIGNED = (True, False)
 # Gradient scale, both moments, bias corrections, rescale, decay, lr, add.
 FLOPS_PER_ELEMENT = 19
 
@@ -128,27 +130,40 @@ def _adamw_math(s: AdamWScalars, p, g, m, v, *, nesterov: bool, decay: bool):
   return -s.learning_rate * u, m, v
 
 
-def adamw_reference(p, g, m, v, scalars: AdamWScalars, *, mode: str, nesterov: bool, decay: bool):
+def adamw_reference(
+    p, g, m, v, scalars: AdamWScalars, key=None, *, mode: str, nesterov: bool, decay: bool,
+    state_rounding: str = "nearest", param_rounding: str = "nearest",
+):
   """Pure-jnp AdamW; the XLA path and the kernels' specification.
 
   Args:
     p: params, or None in ``"updates"`` mode without decay.
     g: gradient, same shape as ``p``.
-    m: first moment (any float dtype, e.g. ``mu_dtype``).
-    v: second moment.
+    m: first moment (any float dtype, e.g. ``mu_dtype``, or a
+      `quant.Int8Blockwise` on the signed map).
+    v: second moment (an array, or a `quant.Int8Blockwise` on the unsigned
+      map).
     scalars: `AdamWScalars` of this step.
     mode: ``"apply"`` returns ``(p + u, m, v)``; ``"updates"`` returns
       ``(u, m, v)``.
     nesterov: use Nesterov momentum (NAdamW).
     decay: add the decoupled weight decay term.
+    state_rounding: ``"nearest"`` or ``"stochastic"`` rounding of bf16
+      moments (see `_elementwise.reference_update`).
+    param_rounding: the same for bf16 params in ``"apply"`` mode.
+    key: the leaf's random key, when something rounds stochastically.
   """
   math = functools.partial(_adamw_math, nesterov=nesterov)
-  return reference_update(math, p, g, (m, v), scalars, mode=mode, decay=decay)
+  return reference_update(
+      math, p, g, (m, v), scalars, mode=mode, decay=decay, signed=_SIGNED,
+      state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+  )
 
 
 def adamw_kernel(
-    p, g, m, v, scalars: AdamWScalars, *, mode: str, nesterov: bool, decay: bool,
-    backend: str, interpret: bool = False,
+    p, g, m, v, scalars: AdamWScalars, key=None, *, mode: str, nesterov: bool, decay: bool,
+    backend: str, interpret: bool = False, state_rounding: str = "nearest",
+    param_rounding: str = "nearest",
 ):
   """Pallas AdamW, same signature and results as `adamw_reference`.
 
@@ -162,31 +177,50 @@ def adamw_kernel(
   return kernel_update(
       functools.partial(_adamw_math, nesterov=nesterov), p, g, (m, v), scalars,
       mode=mode, decay=decay, backend=backend, interpret=interpret, name="adamw",
-      flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1,
+      flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1, signed=_SIGNED,
+      state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 
 
 def adamw_apply(
-    p, g, m, v, scalars: AdamWScalars, *, nesterov: bool = False,
-    decay: bool = True, impl: str = "auto",
+    p, g, m, v, scalars: AdamWScalars, key=None, *, nesterov: bool = False,
+    decay: bool = True, impl: str = "auto", state_rounding: str = "nearest",
+    param_rounding: str = "nearest",
 ):
   """One fused AdamW step: returns ``(p + u, m, v)``.
 
   Args:
-    p, g, m, v: one leaf's params, gradient and moments (f32 or bf16).
+    p, g, m, v: one leaf's params, gradient and moments (f32 or bf16; the
+      moments may be `quant.Int8Blockwise`).
     scalars: `AdamWScalars` of this step (see `adamw_scalars`).
     nesterov: Nesterov momentum (NAdamW).
     decay: whether weight decay applies to this leaf.
     impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`).
+    state_rounding: how bf16 moments are stored, ``"nearest"`` or
+      ``"stochastic"``.
+    param_rounding: how bf16 params are stored.
+    key: the leaf's random key (`quant.leaf_key`) for stochastic rounding.
   """
-  fn = dispatch(adamw_reference, adamw_kernel, impl, auto_on_cuda="xla", elementwise=True)
-  return fn(p, g, m, v, scalars, mode="apply", nesterov=nesterov, decay=decay)
+  fn = dispatch(
+      adamw_reference, adamw_kernel, impl, auto_on_cuda="xla",
+      elementwise=per_element((m, v), state_rounding, param_rounding),
+  )
+  return fn(
+      p, g, m, v, scalars, key, mode="apply", nesterov=nesterov, decay=decay,
+      state_rounding=state_rounding, param_rounding=param_rounding,
+  )
 
 
 def adamw_updates(
-    p, g, m, v, scalars: AdamWScalars, *, nesterov: bool = False,
-    decay: bool = True, impl: str = "auto",
+    p, g, m, v, scalars: AdamWScalars, key=None, *, nesterov: bool = False,
+    decay: bool = True, impl: str = "auto", state_rounding: str = "nearest",
 ):
   """AdamW in Optax form: returns ``(u, m, v)``; ``p`` may be None without decay."""
-  fn = dispatch(adamw_reference, adamw_kernel, impl, auto_on_cuda="xla", elementwise=True)
-  return fn(p, g, m, v, scalars, mode="updates", nesterov=nesterov, decay=decay)
+  fn = dispatch(
+      adamw_reference, adamw_kernel, impl, auto_on_cuda="xla",
+      elementwise=per_element((m, v), state_rounding),
+  )
+  return fn(
+      p, g, m, v, scalars, key, mode="updates", nesterov=nesterov, decay=decay,
+      state_rounding=state_rounding,
+  )

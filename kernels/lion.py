@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasopt.kernels._dispatch import dispatch
-from pallasopt.kernels._elementwise import kernel_update, reference_update
+from pallasopt.kernels._elementwise import kernel_update, per_element, reference_update
 
 __all__ = [
     "LionScalars",
@@ -107,26 +107,37 @@ def _lion_math(s: LionScalars, p, g, m, *, decay: bool, sign=_sign):
   return -s.learning_rate * u, m
 
 
-def lion_reference(p, g, m, scalars: LionScalars, *, mode: str, decay: bool):
+def lion_reference(
+    p, g, m, scalars: LionScalars, key=None, *, mode: str, decay: bool,
+    state_rounding: str = "nearest", param_rounding: str = "nearest",
+):
   """Pure-jnp Lion; the XLA path and the kernels' specification.
 
   Args:
     p: params, or None in ``"updates"`` mode without decay.
     g: gradient, same shape as ``p``.
-    m: momentum (any float dtype, e.g. ``mu_dtype``).
+    m: momentum (any float dtype, e.g. ``mu_dtype``, or a
+      `quant.Int8Blockwise` on the signed map).
     scalars: `LionScalars` of this step.
     mode: ``"apply"`` returns ``(p + u, m)``; ``"updates"`` returns ``(u, m)``,
       ``u`` in the promoted dtype of the operands, as Optax's updates.
     decay: add the weight decay term.
+    state_rounding: ``"nearest"`` or ``"stochastic"`` rounding of a bf16
+      momentum (see `_elementwise.reference_update`).
+    param_rounding: the same for bf16 params in ``"apply"`` mode.
+    key: the leaf's random key, when something rounds stochastically.
   """
   # jnp.sign is one op where _sign is five: it matters when tracing many leaves.
   math = functools.partial(_lion_math, sign=jnp.sign)
-  return reference_update(math, p, g, (m,), scalars, mode=mode, decay=decay)
+  return reference_update(
+      math, p, g, (m,), scalars, mode=mode, decay=decay, signed=(True,),
+      state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+  )
 
 
 def lion_kernel(
-    p, g, m, scalars: LionScalars, *, mode: str, decay: bool, backend: str,
-    interpret: bool = False,
+    p, g, m, scalars: LionScalars, key=None, *, mode: str, decay: bool, backend: str,
+    interpret: bool = False, state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """Pallas Lion, same signature and results as `lion_reference`.
 
@@ -139,24 +150,47 @@ def lion_kernel(
   """
   return kernel_update(
       _lion_math, p, g, (m,), scalars, mode=mode, decay=decay, backend=backend,
-      interpret=interpret, name="lion", flops_per_element=FLOPS_PER_ELEMENT,
+      interpret=interpret, name="lion", flops_per_element=FLOPS_PER_ELEMENT, signed=(True,),
+      state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 
 
-def lion_apply(p, g, m, scalars: LionScalars, *, decay: bool = True, impl: str = "auto"):
+def lion_apply(
+    p, g, m, scalars: LionScalars, key=None, *, decay: bool = True, impl: str = "auto",
+    state_rounding: str = "nearest", param_rounding: str = "nearest",
+):
   """One fused Lion step: returns ``(p + u, m)``.
 
   Args:
-    p, g, m: one leaf's params, gradient and momentum (f32 or bf16).
+    p, g, m: one leaf's params, gradient and momentum (f32 or bf16; the
+      momentum may be a `quant.Int8Blockwise`).
     scalars: `LionScalars` of this step (see `lion_scalars`).
     decay: whether weight decay applies to this leaf.
     impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`).
+    state_rounding: how a bf16 momentum is stored, ``"nearest"`` or
+      ``"stochastic"``.
+    param_rounding: how bf16 params are stored.
+    key: the leaf's random key (`quant.leaf_key`) for stochastic rounding.
   """
-  fn = dispatch(lion_reference, lion_kernel, impl, auto_on_cuda="xla", elementwise=True)
-  return fn(p, g, m, scalars, mode="apply", decay=decay)
+  fn = dispatch(
+      lion_reference, lion_kernel, impl, auto_on_cuda="xla",
+      elementwise=per_element((m,), state_rounding, param_rounding),
+  )
+  return fn(
+      p, g, m, scalars, key, mode="apply", decay=decay, state_rounding=state_rounding,
+      param_rounding=param_rounding,
+  )
 
 
-def lion_updates(p, g, m, scalars: LionScalars, *, decay: bool = True, impl: str = "auto"):
+def lion_updates(
+    p, g, m, scalars: LionScalars, key=None, *, decay: bool = True, impl: str = "auto",
+    state_rounding: str = "nearest",
+):
   """Lion in Optax form: returns ``(u, m)``; ``p`` may be None without decay."""
-  fn = dispatch(lion_reference, lion_kernel, impl, auto_on_cuda="xla", elementwise=True)
-  return fn(p, g, m, scalars, mode="updates", decay=decay)
+  fn = dispatch(
+      lion_reference, lion_kernel, impl, auto_on_cuda="xla",
+      elementwise=per_element((m,), state_rounding),
+  )
+  return fn(
+      p, g, m, scalars, key, mode="updates", decay=decay, state_rounding=state_rounding,
+  )
