@@ -19,14 +19,21 @@ The stage-local layer (`create_optimizer`,
 `StageLocalGradientTransformation.apply_gradients_stage_local`, configs and
 registries) updates one pipeline stage's params from its own gradients with the
 same fused kernels.
+
+Low-bit state: `adamw`, `nadamw` and `lion` take ``state_format="bf16"`` or
+``"int8"`` (moments in bfloat16 with stochastic rounding, or 8-bit blockwise
+codes) and ``param_rounding="stochastic"`` for bfloat16 params;
+`convert_state` switches a state between formats.
 """
 
+from pallasopt.kernels.quant import Int8Blockwise
 from pallasopt.optim._base import FusedGradientTransformation, apply_gradients
 from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
 from pallasopt.optim.adamw import adamw, nadamw
 from pallasopt.optim.configs import create_scheduler
 from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_schedule, scale_by_kron
 from pallasopt.optim.lion import lion
+from pallasopt.optim.state_formats import convert_state
 from pallasopt.optim.muon import (
     MUON_STATIC_ARGS,
     MuonDimensionNumbers,
@@ -55,6 +62,8 @@ from pallasopt.optim.stage_local import (
 __all__ = [
     "FusedGradientTransformation",
     "apply_gradients",
+    "convert_state",
+    "Int8Blockwise",
     # Drop-ins.
     "adafactor",
     "adamw",

@@ -12,6 +12,17 @@ per leaf, in ``"updates"`` mode for ``update`` and in ``"apply"`` mode for the
 fused ``apply_gradients``. A family supplies only its kernels and how to build
 its per-step scalars.
 
+Low-bit state (``state_format``): ``"bf16"`` stores the moments in bfloat16,
+rounded stochastically on every store; ``"int8"`` stores each moment of a
+leaf with at least `quant.MIN_QUANTIZED_SIZE` elements as a
+`quant.Int8Blockwise` (codes and per-block absmax, inside Optax's own state
+NamedTuple, in place of the array) and the moments of smaller leaves in f32.
+Both apply to leaves whose params are float32 or bfloat16; any other leaf
+keeps Optax's state. ``param_rounding="stochastic"`` rounds bf16 params
+stochastically in the fused apply. The random bits hash (``seed``, step,
+leaf index, element index): reproducible run to run and the same in every
+``impl``.
+
 Leaves the kernels do not take (float16, float64, complex or integer params,
 grads or moments) are updated by Optax's own scaling transform for that leaf
 (``scale_by_X``, the same hyperparameters), then decayed and scaled by the
@@ -20,14 +31,18 @@ dtypes are Optax's.
 """
 
 import functools
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from pallasopt.kernels import quant
 from pallasopt.kernels._dispatch import resolve_impl
+from pallasopt.kernels._elementwise import check_rounding
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
     FusedGradientTransformation,
@@ -36,7 +51,64 @@ from pallasopt.optim._base import (
     schedule_value,
 )
 
-__all__ = ["elementwise_transform"]
+__all__ = [
+    "STATE_FORMATS",
+    "elementwise_transform",
+    "check_state_format",
+    "stored_moment",
+    "moment_value",
+    "is_quantized",
+    "moment_arrays",
+    "check_seed",
+]
+
+STATE_FORMATS: tuple[str | None, ...] = (None, "bf16", "int8")
+
+
+def is_quantized(x: Any) -> bool:
+  """Whether a state node is an 8-bit moment (a leaf for tree maps over moments)."""
+  return isinstance(x, quant.Int8Blockwise)
+
+
+def check_state_format(owner: str, state_format: Any, mu_dtype: jnp.dtype | None) -> None:
+  """``state_format`` is one of `STATE_FORMATS` and does not contradict ``mu_dtype``."""
+  if state_format not in STATE_FORMATS:
+    raise ValueError(
+        f"{owner}: state_format must be None, 'bf16' or 'int8'; got {state_format!r}."
+    )
+  if state_format is not None and mu_dtype is not None and not (
+      state_format == "bf16" and mu_dtype == jnp.bfloat16
+  ):
+    raise ValueError(
+        f"{owner}: mu_dtype={mu_dtype} and state_format={state_format!r} both set the first"
+        " moment's storage; set only one."
+    )
+
+
+def stored_moment(
+    value: jax.Array, param: Any, *, signed: bool, state_format: str | None,
+    dtype: jnp.dtype | None = None,
+) -> jax.Array | quant.Int8Blockwise:
+  """A moment ``value`` stored as ``state_format`` keeps it for ``param``'s leaf.
+
+  ``None``, and leaves whose params are not float32 or bfloat16: ``dtype``
+  (default: the param's), as Optax's init. ``"bf16"``: bfloat16 (rounded to
+  nearest here; the steps round stochastically). ``"int8"``: a
+  `quant.Int8Blockwise` on the signed or unsigned map, or f32 for leaves
+  under `quant.MIN_QUANTIZED_SIZE` elements.
+  """
+  if state_format is None or not v.kernel_dtypes(param):
+    return value.astype(dtype or jnp.result_type(param))
+  if state_format == "bf16":
+    return value.astype(jnp.bfloat16)
+  if math.prod(jnp.shape(param)) < quant.MIN_QUANTIZED_SIZE:
+    return value.astype(jnp.float32)
+  return quant.quantize(value, signed=signed)
+
+
+def moment_value(moment: jax.Array | quant.Int8Blockwise, *, signed: bool) -> jax.Array:
+  """The array a stored moment holds (an 8-bit one dequantized to f32)."""
+  return quant.dequantize(moment, signed=signed) if is_quantized(moment) else moment
 
 # (count, learning_rate, weight_decay, grad_scale) -> the kernel's scalars.
 ScalarsFn = Callable[[jax.Array, Any, Any, Any], tuple]
@@ -59,6 +131,20 @@ def _check_hyperparameters(
   v.check_hyperparameter(owner, "weight_decay", weight_decay)
 
 
+def moment_arrays(tree: Any) -> Any:
+  """A moment tree with each 8-bit moment replaced by its codes (the param's shape)."""
+  return jax.tree.map(lambda m: m.codes if is_quantized(m) else m, tree, is_leaf=is_quantized)
+
+
+def check_seed(owner: str, seed: Any) -> None:
+  # A traced seed (optax.inject_hyperparams makes one) is fine: it only feeds the hash.
+  if isinstance(seed, jax.core.Tracer):
+    return
+  value = np.asarray(seed)
+  if value.shape or value.dtype.kind not in "iu" or not -(2**31) <= int(value) < 2**31:
+    raise ValueError(f"{owner}: seed must be an int32 value; got {seed!r}.")
+
+
 def elementwise_transform(
     owner: str,
     learning_rate: optax.ScalarOrSchedule,
@@ -74,6 +160,10 @@ def elementwise_transform(
     apply_kernel: KernelFn,
     updates_kernel: KernelFn,
     optax_scaling: optax.GradientTransformation,
+    signed: Sequence[bool],
+    state_format: str | None = None,
+    param_rounding: str = "nearest",
+    seed: int | None = None,
 ) -> FusedGradientTransformation:
   """Builds an elementwise optimizer with Optax's state tree and a fused apply.
 
@@ -97,10 +187,21 @@ def elementwise_transform(
     updates_kernel: the same returning ``(u, *moments)``; ``p`` may be None.
     optax_scaling: Optax's ``scale_by_X`` with the same hyperparameters, run
       on the leaves whose dtypes no kernel takes.
+    signed: per moment, whether its values have both signs (the 8-bit map).
+    state_format: ``None``, ``"bf16"`` or ``"int8"`` (module docstring).
+    param_rounding: ``"nearest"`` or ``"stochastic"``, for bf16 params in
+      ``apply_gradients``.
+    seed: the seed of the stochastic roundings (None: 0).
   """
   _check_hyperparameters(owner, learning_rate, weight_decay, betas, nonnegative or {})
   resolve_impl(impl)
   mu_dtype = v.optional_dtype(owner, "mu_dtype", mu_dtype)
+  check_state_format(owner, state_format, mu_dtype)
+  check_rounding(f"{owner}: param_rounding", param_rounding)
+  seed = 0 if seed is None else seed
+  check_seed(owner, seed)
+  state_rounding = "stochastic" if state_format == "bf16" else "nearest"
+  rounds = state_format is not None or param_rounding == "stochastic"
   first_moment = state_cls._fields[1]
   num_moments = len(state_cls._fields) - 1
   # Optax builds these two states; reusing their init keeps ours identical.
@@ -121,14 +222,23 @@ def elementwise_transform(
     # The first moment in mu_dtype, the others (and mu by default) as the params.
     dtypes = [mu_dtype] + [None] * (num_moments - 1)
     moments = [
-        jax.tree.map(lambda p, d=d: jnp.zeros_like(p, d or p.dtype), params) for d in dtypes
+        jax.tree.map(
+            lambda p, d=d, s=s: stored_moment(
+                jnp.zeros(jnp.shape(p), jnp.float32), p, signed=s,
+                state_format=state_format, dtype=d,
+            ),
+            params,
+        )
+        for d, s in zip(dtypes, signed, strict=True)
     ]
     return state_cls(jnp.zeros([], jnp.int32), *moments), decay_tx.init(params), lr_tx.init(params)
 
   def step(grads, state, params, mode, grad_scale, learning_rate_now):
     moment_state, decay_state, lr_state = state
     moments = moment_state[1:]
-    v.check_same_tree(owner, "grads", grads, f"opt_state.{first_moment}", moments[0])
+    v.check_same_tree(
+        owner, "grads", grads, f"opt_state.{first_moment}", moment_arrays(moments[0])
+    )
     num_leaves = len(jax.tree.leaves(grads))
     decays = [False] * num_leaves if never_decays else v.broadcast_mask(owner, mask, grads)
     ps = v.checked_param_leaves(owner, params, grads, mode=mode, decays=decays)
@@ -145,17 +255,34 @@ def elementwise_transform(
           count, learning_rate_now, weight_decay_now, 1.0 if grad_scale is None else grad_scale
       )
 
-    def leaf_step(p, g, *ms, decay):
-      if v.kernel_dtypes(p, g, *ms):
-        return kernel(p, g, *ms, step_scalars(), decay=decay, impl=impl)
+    def leaf_step(index, path, p, g, *ms, decay):
+      # Leaves whose params the kernels take hold low-bit state; the others
+      # hold Optax's, in the params' dtype.
+      low_bit = state_format is not None and all(is_quantized(m) or v.kernel_dtypes(m) for m in ms)
+      if low_bit and not v.kernel_dtypes(g):
+        raise TypeError(
+            f"{owner}: state_format={state_format!r} needs float32 or bfloat16 grads;"
+            f" grads{path} has dtype {jnp.result_type(g)}."
+        )
+      if low_bit or v.kernel_dtypes(p, g, *ms):
+        options = {"state_rounding": state_rounding}
+        if mode == "apply":
+          options["param_rounding"] = param_rounding
+        key = quant.leaf_key(seed, count, index) if rounds else None
+        return kernel(p, g, *ms, step_scalars(), key, decay=decay, impl=impl, **options)
       if grad_scale is not None:
         g = (g * grad_scale).astype(g.dtype)
       return optax_leaf(
           p, g, ms, moment_state.count, learning_rate_now, weight_decay_now, decay, mode
       )
 
-    columns = (ps, jax.tree.leaves(grads), *map(jax.tree.leaves, moments), decays)
-    results = [leaf_step(p, g, *ms, decay=d) for p, g, *ms, d in zip(*columns, strict=True)]
+    moment_leaves = [jax.tree.leaves(m, is_leaf=is_quantized) for m in moments]
+    paths = [path for path, _ in v.keyed_leaves(grads)]
+    columns = (paths, ps, jax.tree.leaves(grads), *moment_leaves, decays)
+    results = [
+        leaf_step(i, path, p, g, *ms, decay=d)
+        for i, (path, p, g, *ms, d) in enumerate(zip(*columns, strict=True))
+    ]
     treedef = jax.tree.structure(grads)
     by_output = list(zip(*results, strict=True)) or [()] * (1 + num_moments)
     first, *new_moments = (treedef.unflatten(column) for column in by_output)

@@ -27,6 +27,9 @@ def adamw(
     mask: Any | Callable[[optax.Params], Any] | None = None,
     *,
     nesterov: bool = False,
+    state_format: str | None = None,
+    param_rounding: str = "nearest",
+    seed: int | None = None,
     impl: str = "auto",
 ) -> FusedGradientTransformation:
   r"""AdamW with decoupled weight decay, one fused kernel per leaf.
@@ -53,6 +56,23 @@ def adamw(
   ``p + u``, ``m`` and ``v`` in place instead, saving the separate
   ``optax.apply_updates`` pass.
 
+  .. _low-bit state:
+
+  Low-bit state (``state_format``) moves fewer bytes per step and keeps less
+  memory (Dettmers et al., `8-bit Optimizers via Block-wise Quantization
+  <https://arxiv.org/abs/2110.02861>`_, 2022). ``"bf16"``: every moment in
+  bfloat16, rounded stochastically on each store (unbiased; round-to-nearest
+  stalls small updates). ``"int8"``: every moment of a leaf with at least
+  4096 elements as a `pallasopt.kernels.quant.Int8Blockwise` (uint8 codes of
+  a dynamic map, signed for first moments and unsigned for second, one f32
+  absmax per block of 256 elements: ~2.03 bytes per moment and param), in
+  place of the array inside Optax's state NamedTuple; smaller leaves keep
+  f32 moments. Each step decodes, updates in f32 and re-encodes in one pass.
+  Both apply to leaves whose params are float32 or bfloat16 and need float32
+  or bfloat16 grads there. `pallasopt.optim.convert_state` converts a state
+  between formats. The random bits of stochastic rounding hash ``seed``, the
+  step, the leaf's index and the element's index: the same in every ``impl``.
+
   Dtypes: leaves whose params, grads and moments are float32 or bfloat16 run
   the fused kernel (f32 math inside); any other leaf Optax accepts (float16,
   float64, complex, ...) runs Optax's own scaling for that leaf, in its
@@ -70,6 +90,13 @@ def adamw(
     mask: a tree of bools (or a prefix of the params tree, or a callable
       returning one) selecting the leaves that decay.
     nesterov: use Nesterov momentum (NAdamW).
+    state_format: how the moments are stored (`low-bit state`_): ``None``
+      (Optax's state), ``"bf16"`` or ``"int8"``.
+    param_rounding: ``"nearest"`` or ``"stochastic"``: how
+      ``apply_gradients`` rounds bfloat16 params (``update`` returns
+      updates and rounds nothing).
+    seed: seed of the stochastic roundings (an int; None means 0, and keeps
+      ``optax.inject_hyperparams``' state tree Optax's).
     impl: ``"auto" | "pallas" | "interpret" | "xla"``; see
       `pallasopt.kernels.use_impl`.
 
@@ -90,6 +117,10 @@ def adamw(
       ),
       apply_kernel=functools.partial(adamw_kernels.adamw_apply, nesterov=nesterov),
       updates_kernel=functools.partial(adamw_kernels.adamw_updates, nesterov=nesterov),
+      signed=(True, False),
+      state_format=state_format,
+      param_rounding=param_rounding,
+      seed=seed,
       optax_scaling=optax.scale_by_adam(
           b1, b2, eps, eps_root, mu_dtype=mu_dtype, nesterov=nesterov
       ),

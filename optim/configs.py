@@ -56,6 +56,9 @@ class AdamWConfig:
     eps_root: added inside the square root.
     mu_dtype: dtype of the first moment (None: the params' dtype).
     nesterov: Nesterov momentum (NAdamW); not in eFormer's config.
+    state_format: storage of the moments: None, ``"bf16"`` or ``"int8"``.
+    param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
+    seed: seed of the stochastic roundings (None: 0).
   """
 
   b1: float = 0.9
@@ -64,6 +67,9 @@ class AdamWConfig:
   eps_root: float = 0.0
   mu_dtype: Any = None
   nesterov: bool = False
+  state_format: str | None = None
+  param_rounding: str = "nearest"
+  seed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +80,17 @@ class LionConfig:
     b1: interpolation between momentum and gradient for the update sign.
     b2: decay of the momentum.
     mu_dtype: dtype of the momentum (None: the params' dtype).
+    state_format: storage of the momentum: None, ``"bf16"`` or ``"int8"``.
+    param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
+    seed: seed of the stochastic roundings (None: 0).
   """
 
   b1: float = 0.9
   b2: float = 0.99
   mu_dtype: Any = None
+  state_format: str | None = None
+  param_rounding: str = "nearest"
+  seed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,9 @@ def lion(
     weight_decay: optax.ScalarOrSchedule = 1e-3,
     mask: Any | Callable[[optax.Params], Any] | None = None,
     *,
+    state_format: str | None = None,
+    param_rounding: str = "nearest",
+    seed: int | None = None,
     impl: str = "auto",
 ) -> FusedGradientTransformation:
   r"""Lion, one fused kernel per leaf.
@@ -49,6 +52,11 @@ def lion(
   ``p + u`` and ``m`` in place instead: 20 bytes per f32 parameter against
   32 for ``update`` followed by ``optax.apply_updates``.
 
+  Low-bit state (``state_format``, ``param_rounding``, ``seed``) works as in
+  `pallasopt.optim.adamw`: ``"bf16"`` keeps the momentum in bfloat16 with
+  stochastic rounding, ``"int8"`` as 8-bit blockwise codes on the signed map
+  (~1.02 bytes per param) for leaves of at least 4096 elements.
+
   Dtypes: leaves whose params, grads and moments are float32 or bfloat16 run
   the fused kernel (f32 math inside); any other leaf Optax accepts (float16,
   float64, complex, ...) runs Optax's own scaling for that leaf, in its
@@ -63,6 +71,13 @@ def lion(
       learning rate like Optax's.
     mask: which leaves decay: bools in the params' tree (or a prefix of it),
       or a function of the params that returns them.
+    state_format: how the momentum is stored: ``None`` (Optax's state),
+      ``"bf16"`` or ``"int8"``.
+    param_rounding: ``"nearest"`` or ``"stochastic"``: how
+      ``apply_gradients`` rounds bfloat16 params (``update`` returns
+      updates and rounds nothing).
+    seed: seed of the stochastic roundings (an int; None means 0, and keeps
+      ``optax.inject_hyperparams``' state tree Optax's).
     impl: which kernels run, ``"auto" | "pallas" | "interpret" | "xla"``
       (see `pallasopt.kernels.use_impl`).
 
@@ -81,5 +96,9 @@ def lion(
       scalars=lambda count, lr, wd, grad_scale: lion_kernels.lion_scalars(lr, b1, b2, wd, grad_scale),
       apply_kernel=lion_kernels.lion_apply,
       updates_kernel=lion_kernels.lion_updates,
+      signed=(True,),
+      state_format=state_format,
+      param_rounding=param_rounding,
+      seed=seed,
       optax_scaling=optax.scale_by_lion(b1, b2, mu_dtype),
   )

@@ -41,11 +41,20 @@ import optax
 from optax.contrib import MuonDimensionNumbers, MuonState
 from optax.contrib import _muon as _optax_muon  # its orthogonalization, for f64/complex
 
-from pallasopt.kernels import _compat
+from pallasopt.kernels import _compat, quant
 from pallasopt.kernels import newton_schulz as ns
 from pallasopt.kernels._dispatch import resolve_impl
+from pallasopt.kernels._elementwise import store_moment
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import FusedGradientTransformation, advance_schedule
+from pallasopt.optim._elementwise_tx import (
+    check_seed,
+    check_state_format,
+    is_quantized,
+    moment_arrays,
+    moment_value,
+    stored_moment,
+)
 from pallasopt.optim.adamw import adamw
 
 __all__ = [
@@ -347,6 +356,8 @@ def muon(
     qkv_split_shapes: Any = None,
     adamw_predicate: Callable[[str, jax.Array], bool] | None = None,
     blockwise: tuple[int, int] | None = None,
+    state_format: str | None = None,
+    seed: int | None = None,
 ) -> FusedGradientTransformation:
   r"""Muon: momentum orthogonalized by Newton–Schulz; a drop-in for Optax's.
 
@@ -459,6 +470,11 @@ def muon(
     ns_rule, custom_ns_coeffs, iter_dtype, gram_levels, scale_mode, extra_scale_factor,
     momentum, second_moment, beta2, second_moment_eps, qkv_split_shapes,
     adamw_predicate, blockwise: see "Extensions".
+    state_format: storage of the momentum (both parts): None (Optax's),
+      ``"bf16"`` (stochastic rounding on every store) or ``"int8"`` (8-bit
+      blockwise codes for leaves of at least 4096 elements); see
+      `pallasopt.optim.adamw`.
+    seed: seed of the stochastic roundings (None: 0).
 
   Returns:
     A `FusedGradientTransformation`; ``apply_gradients`` applies the AdamW
@@ -522,6 +538,9 @@ def muon(
     init_coeffs = _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs)
   table_steps = ns_steps if init_coeffs.ndim == 1 else None
   mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
+  check_state_format(_OWNER, state_format, mu_dtype)
+  seed = 0 if seed is None else seed
+  check_seed(_OWNER, seed)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
@@ -569,7 +588,13 @@ def muon(
     return jnp.zeros(shape, jnp.float32)
 
   def chain_init(params):
-    mu = jax.tree.map(lambda p: jnp.zeros_like(p, mu_dtype or jnp.result_type(p)), params)
+    mu = jax.tree.map(
+        lambda p: stored_moment(
+            jnp.zeros(jnp.shape(p), jnp.float32), p, signed=True, state_format=state_format,
+            dtype=mu_dtype,
+        ),
+        params,
+    )
     state = (
         MuonState(count=jnp.zeros([], jnp.int32), mu=mu, ns_coeffs=jnp.asarray(init_coeffs)),
         optax.EmptyState(),
@@ -581,12 +606,12 @@ def muon(
       state += (MuonSecondMomentState(jax.tree.unflatten(jax.tree.structure(params), nu)),)
     return state
 
-  def momentum_step(g, m, count):
+  def momentum_step(g, m, count, leaf):
     # f32 at least; float64 and complex leaves keep their precision (Optax's).
     dtype = _compute_dtype(g)
     real = jnp.finfo(dtype).dtype
     corrected = lambda x, t: x / jnp.asarray(1 - beta**t, real)
-    g32, m32 = g.astype(dtype), m.astype(dtype)
+    g32, m32 = g.astype(dtype), moment_value(m, signed=True).astype(dtype)
     m_new = (1 - beta) * g32 + beta * m32
     if momentum == "lerp":
       hat = (1 - beta) * g32 + beta * m_new if nesterov else m_new
@@ -594,7 +619,11 @@ def muon(
       hat = beta * corrected(m_new, count + 1) + (1 - beta) * corrected(g32, count)
     else:
       hat = corrected(m_new, count)
-    return hat.astype(dtype), m_new.astype(m.dtype)
+    bits = None
+    if state_format == "bf16":
+      key = quant.leaf_key(seed, count, leaf)
+      bits = quant.random_bits(key, quant.element_index(jnp.shape(g)), 1)
+    return hat.astype(dtype), store_moment(m_new, m, signed=True, bits=bits)
 
   def scale_vector(layout: _Layout, spec: _Spec, parts):
     """Per-output-column scale (one value per part), broadcast on (b, r, o)."""
@@ -627,11 +656,12 @@ def muon(
 
   def chain_update(updates, state, params=None, learning_rate_now=None):
     muon_state, shape_state, decay_state, lr_state = state[:4]
-    v.check_same_tree(_OWNER, "grads", updates, "opt_state mu", muon_state.mu)
+    v.check_same_tree(_OWNER, "grads", updates, "opt_state mu", moment_arrays(muon_state.mu))
     treedef = jax.tree.structure(updates)
     grads = jax.tree.leaves(updates)
     count = optax.safe_increment(muon_state.count)
-    stepped = [momentum_step(g, m, count) for g, m in zip(grads, jax.tree.leaves(muon_state.mu))]
+    mus = jax.tree.leaves(muon_state.mu, is_leaf=is_quantized)
+    stepped = [momentum_step(g, m, count, i) for i, (g, m) in enumerate(zip(grads, mus))]
     hats, mus = [h for h, _ in stepped], [m for _, m in stepped]
     layouts = layouts_of(updates)
     splitters, stacks, owners = [], [], []
@@ -686,7 +716,8 @@ def muon(
   )
   adam_tx = adamw(
       adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps, eps_root=adam_eps_root,
-      mu_dtype=mu_dtype, weight_decay=adam_weight_decay, nesterov=nesterov, impl=impl,
+      mu_dtype=mu_dtype, weight_decay=adam_weight_decay, nesterov=nesterov,
+      state_format=state_format, seed=seed, impl=impl,
   )
   partition = optax.partition({"muon": muon_tx, "adam": adam_tx}, param_labels)
 
@@ -728,7 +759,7 @@ def muon(
     if params is not None:
       v.check_same_tree(_OWNER, "grads", updates, "params", params)
     else:
-      v.check_same_tree(_OWNER, "grads", updates, "opt_state mu", _state_mu(state))
+      v.check_same_tree(_OWNER, "grads", updates, "opt_state mu", moment_arrays(_state_mu(state)))
     return partition.update(updates, state, params, **extra_args)
 
   return FusedGradientTransformation(init_fn, update_fn, apply_fn)
@@ -740,5 +771,6 @@ def _state_mu(state) -> Any:
   inner = state.inner_states
   return jax.tree.map(
       lambda m, a: a if masked(m) else m,
-      inner["muon"].inner_state[0].mu, inner["adam"].inner_state[0].mu, is_leaf=masked,
+      inner["muon"].inner_state[0].mu, inner["adam"].inner_state[0].mu,
+      is_leaf=lambda x: masked(x) or is_quantized(x),
   )

@@ -37,6 +37,8 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pallasopt.optim import Int8Blockwise
+
 __all__ = [
     "AutoShardingRule",
     "CompositeShardingRule",
@@ -105,6 +107,25 @@ def _is_sharded(spec: PartitionSpec) -> bool:
 
 def _is_masked(node: Any) -> bool:
   return isinstance(node, optax.MaskedNode)
+
+
+def _is_state_leaf(node: Any) -> bool:
+  # An 8-bit moment stands where its param's moment array would.
+  return _is_masked(node) or isinstance(node, Int8Blockwise)
+
+
+def _int8_specs(moment: Int8Blockwise, param_shape, param_spec: PartitionSpec) -> Int8Blockwise:
+  """Codes like the param; scales like its leading dims, the blocked axis whole.
+
+  The scales' last axis merges the param's trailing dims into blocks; whether
+  a shard of them holds whole blocks depends on the mesh, so it is never
+  sharded (it is 1/64 of the codes' bytes).
+  """
+  entries = _entries(param_spec, len(param_shape))
+  leading = len(moment.scales.shape) - 1
+  if tuple(moment.scales.shape[:leading]) != tuple(param_shape[:leading]):
+    leading = 0
+  return Int8Blockwise(codes=_make_spec(entries), scales=_make_spec(entries[:leading]))
 
 
 def _shard_factor(mesh_shape: Mapping[str, int], spec: PartitionSpec) -> int:
@@ -490,7 +511,7 @@ def _state_specs(
   if treedef.num_leaves == 0:
     # None, optax.MaskedNode(), EmptyState(), (): nothing to place.
     return node
-  treedef = jax.tree_util.tree_structure(node, is_leaf=_is_masked)
+  treedef = jax.tree_util.tree_structure(node, is_leaf=_is_state_leaf)
   if treedef == params.treedef:
     return _matched_specs(path, node, params, field)
   factors = _factor_lists(node, params)
@@ -516,11 +537,14 @@ def _state_specs(
 
 def _matched_specs(path: KeyPath, node: Any, params: _Params, field: str | None) -> PyTree:
   """Specs of a subtree with the params' structure, leaf by leaf."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_masked)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_state_leaf)
   specs = []
   for (leaf_path, leaf), param, spec in zip(leaves, params.structs, params.specs):
     if _is_masked(leaf):
       specs.append(leaf)
+      continue
+    if isinstance(leaf, Int8Blockwise):
+      specs.append(_int8_specs(leaf, param.shape, spec))
       continue
     shape = _as_struct(path + leaf_path, leaf, "opt_state").shape
     derived = _derived_spec(shape, param.shape, spec, field)
@@ -612,7 +636,10 @@ def optimizer_state_specs(
       ``v_row``/``v_col``) takes the spec with that dim dropped; when several
       equal-sized dims could have been removed, Adafactor's choice is used
       under ``v_row``/``v_col`` and the last such dim elsewhere;
-    - any other leaf (Adafactor's ``(1,)`` placeholders) is replicated.
+    - any other leaf (Adafactor's ``(1,)`` placeholders) is replicated;
+    - an 8-bit moment (``state_format="int8"``, a `Int8Blockwise`): its
+      codes take the param's spec, its per-block scales the spec of the
+      param's leading dims they keep (their blocked last axis is whole).
 
   * A subtree holding, for each param, a list or tuple of arrays
     (``psgd_jax.kron``'s ``Qs_preconditioners``: one ``[d, d]`` or ``[d]``

@@ -1,0 +1,408 @@
+"""Low-bit optimizer state (``state_format``) and stochastic rounding of params.
+
+Kernels (interpret mode) against the jitted reference, bit for bit; lowering
+for TPU and CUDA; the transforms' state layout, bytes, sharding specs,
+conversion and checkpointing; convergence on a real task.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import PartitionSpec as P
+
+import pallasopt
+from helpers import CUSTOM_CALL, assert_close, lowered_text, random_array, sds, tolerance
+from pallasopt.kernels import adamw as adamw_k, lion as lion_k, quant
+from pallasopt.optim import Int8Blockwise
+from pallasopt.pipeline.sharding import optimizer_state_specs
+
+# Leaves that exercise the 8-bit kernel's tiling: one block, whole rows of
+# blocks with a ragged row block, blocks spanning rows, several grid steps,
+# and sizes with a ragged last block (run by the reference).
+QUANT_SHAPES = [(256,), (40, 256), (3, 5, 256), (2, 3, 128), (16, 1024), (300,), (7, 700)]
+
+
+def _state(rng, shape, fmt, n_moments):
+  m = random_array(rng, shape, jnp.float32, scale=0.1)
+  v = random_array(rng, shape, jnp.float32, positive=True, scale=0.01)
+  if fmt == "int8":
+    moments = (quant.quantize(m, signed=True), quant.quantize(v, signed=False))
+  else:
+    moments = (m.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+  return moments[:n_moments]
+
+
+def _assert_same(got, want, what):
+  got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert jax.tree.structure(got) == jax.tree.structure(want), what
+  for a, b in zip(got_leaves, want_leaves):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=what)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    shape=st.sampled_from(QUANT_SHAPES),
+    family=st.sampled_from(["adamw", "nadamw", "lion"]),
+    fmt=st.sampled_from(["int8", "bf16"]),
+    param_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    grad_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    mode=st.sampled_from(["apply", "updates"]),
+    param_rounding=st.sampled_from(["nearest", "stochastic"]),
+    decay=st.booleans(),
+    backend=st.sampled_from(["tpu", "triton"]),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_state_equals_reference_bit_for_bit(
+    shape, family, fmt, param_dtype, grad_dtype, mode, param_rounding, decay, backend, seed
+):
+  # Same codes, scales and stochastically rounded moments, over steps that feed
+  # each one's state to the next. Both are jitted, so the kernel body and
+  # the reference compile the same f32 ops alike (eager op-by-op execution
+  # may round a fused multiply-add differently).
+  rng = np.random.default_rng(seed)
+  p = random_array(rng, shape, param_dtype)
+  if family == "lion":
+    n_moments, kernel, reference = 1, lion_k.lion_kernel, lion_k.lion_reference
+    config = dict(mode=mode, decay=decay)
+  else:
+    n_moments, kernel, reference = 2, adamw_k.adamw_kernel, adamw_k.adamw_reference
+    config = dict(mode=mode, decay=decay, nesterov=family == "nadamw")
+  config["state_rounding"] = "stochastic" if fmt == "bf16" else "nearest"
+  if mode == "apply":
+    config["param_rounding"] = param_rounding
+  reference = jax.jit(functools.partial(reference, **config))
+  kernel = jax.jit(functools.partial(kernel, **config, backend=backend, interpret=True))
+  moments = _state(rng, shape, fmt, n_moments)
+  for step in range(1, 4):
+    g = random_array(rng, shape, grad_dtype)
+    if family == "lion":
+      scalars = lion_k.lion_scalars(3e-3, 0.9, 0.99, 0.1)
+    else:
+      scalars = adamw_k.adamw_scalars(step, 3e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
+    key = quant.leaf_key(seed, step, 3)
+    want = reference(p, g, *moments, scalars, key)
+    got = kernel(p, g, *moments, scalars, key)
+    # p + u (or u) may differ by an f32 ulp where XLA fuses the division
+    # differently, as for the f32 kernels; the stored state is exact.
+    assert got[0].dtype == want[0].dtype
+    assert_close(got[0], want[0], tolerance(got[0].dtype), f"step {step}", operands=(p,))
+    _assert_same(got[1:], want[1:], f"step {step}")
+    moments = want[1:]
+    if mode == "apply":
+      p = want[0]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("shape", [(4096, 1024), (40, 256), (3, 5, 256)], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_int8_and_stochastic_kernels_lower(platform, shape, dtype):
+  p = sds(shape, dtype)
+  m = Int8Blockwise(sds(shape, jnp.uint8), sds(quant.scales_shape(shape)))
+  key = sds((), jnp.int32)
+  scalars = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
+  adamw = lambda p, g, m, v, s, k: adamw_k.adamw_apply(
+      p, g, m, v, s, k, impl="pallas", param_rounding="stochastic"
+  )
+  assert lowered_text(adamw, platform, p, p, m, m, scalars, key).count(CUSTOM_CALL[platform]) == 1
+  lion = lambda p, g, m, k: lion_k.lion_updates(
+      p, g, m, lion_k.lion_scalars(1e-3, 0.9, 0.99, 0.1), k, impl="pallas"
+  )
+  assert lowered_text(lion, platform, p, p, m, key).count(CUSTOM_CALL[platform]) == 1
+  bf16 = sds(shape, jnp.bfloat16)
+  sr = lambda p, g, m, v, s, k: adamw_k.adamw_apply(
+      p, g, m, v, s, k, impl="pallas", state_rounding="stochastic", param_rounding="stochastic"
+  )
+  assert lowered_text(sr, platform, p, p, bf16, bf16, scalars, key).count(CUSTOM_CALL[platform]) == 1
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_int8_transform_lowers_with_one_kernel_per_leaf(platform):
+  params = {"w": sds((768, 3072)), "e": sds((1000, 768), jnp.bfloat16), "b": sds((3072,)),
+            "ln": sds((7,))}
+  tx = pallasopt.optim.adamw(1e-3, state_format="int8", param_rounding="stochastic", impl="pallas")
+  state = jax.eval_shape(tx.init, params)
+  fused = functools.partial(pallasopt.optim.apply_gradients, tx)
+  assert lowered_text(fused, platform, params, params, state).count(CUSTOM_CALL[platform]) == 4
+
+
+def _params():
+  rng = np.random.default_rng(1)
+  return {
+      "w": random_array(rng, (48, 256), jnp.float32),      # 12288: 8-bit state
+      "e": random_array(rng, (100, 48), jnp.bfloat16),     # 4800, ragged last block
+      "b": random_array(rng, (256,), jnp.float32),         # small: f32 state
+      "h": random_array(rng, (3,), jnp.float16),           # Optax's own leaf
+  }
+
+
+def _grads(params, step):
+  return jax.tree.map(lambda p: jnp.cos(p * (step + 1)).astype(p.dtype), params)
+
+
+def _state_bytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("make", [pallasopt.optim.adamw, pallasopt.optim.lion], ids=["adamw", "lion"])
+def test_state_layout_and_bytes_per_param(make):
+  params = _params()
+  moments = make(1e-3, state_format="int8").init(params)[0][1:]
+  for moment in moments:
+    assert isinstance(moment["w"], Int8Blockwise) and isinstance(moment["e"], Int8Blockwise)
+    assert moment["w"].codes.dtype == jnp.uint8 and moment["w"].scales.shape == (48, 1)
+    assert moment["b"].dtype == jnp.float32 and moment["h"].dtype == jnp.float16
+  big = {k: params[k] for k in ("w", "e")}
+  per_param = _state_bytes(make(1e-3, state_format="int8").init(big)[0][1:]) / sum(
+      x.size for x in big.values())
+  assert per_param <= 2.1 * len(moments) / 2, per_param
+  bf16 = make(1e-3, state_format="bf16").init(params)[0][1:]
+  assert all(m[k].dtype == jnp.bfloat16 for m in bf16 for k in ("w", "e", "b"))
+  assert _state_bytes(make(1e-3, state_format="bf16").init(big)[0][1:]) / sum(
+      x.size for x in big.values()) == 2 * len(moments)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("make", [pallasopt.optim.adamw, pallasopt.optim.nadamw, pallasopt.optim.lion],
+                         ids=["adamw", "nadamw", "lion"])
+def test_transform_paths_agree_in_every_impl(make, fmt):
+  # The grads do not depend on the params, so the states must agree bit for
+  # bit; params within an ulp where XLA fuses p + u differently (f32), or one
+  # rounding apart (bf16, stochastic).
+  params = _params()
+  results = {}
+  for impl in ("xla", "interpret"):
+    tx = make(1e-2, state_format=fmt, param_rounding="stochastic", seed=11, impl=impl)
+    apply, update = jax.jit(tx.apply_gradients), jax.jit(tx.update)
+    p, s = params, tx.init(params)
+    q, r = params, s
+    for step in range(3):
+      p, s = apply(p, _grads(params, step), s)
+      u, r = update(_grads(params, step), r, q)
+      q = optax.apply_updates(q, u)
+    results[impl] = (p, s, q, r)
+  (p, s, q, r), (p_ref, s_ref, q_ref, r_ref) = results["interpret"], results["xla"]
+  _assert_same((s, r), (s_ref, r_ref), "state: interpret vs xla")
+  for got, want in ((p, p_ref), (q, q_ref)):
+    for k in got:
+      assert got[k].dtype == want[k].dtype
+      assert_close(got[k], want[k], tolerance(got[k].dtype), k)
+  # A different seed draws different roundings.
+  tx = make(1e-2, state_format=fmt, param_rounding="stochastic", seed=12, impl="xla")
+  other = jax.jit(tx.apply_gradients)(params, _grads(params, 0), tx.init(params))
+  first = jax.jit(make(1e-2, state_format=fmt, param_rounding="stochastic", seed=11,
+                       impl="xla").apply_gradients)(params, _grads(params, 0), tx.init(params))
+  assert not np.array_equal(np.asarray(other[0]["e"], np.float32), np.asarray(first[0]["e"], np.float32))
+
+
+def test_int8_steps_track_the_f32_optimizer():
+  # One step from the same moments: the only difference is the 8-bit
+  # storage of the new moments, so p moves as Optax's does, and the stored
+  # moments are within the map's half gap (< 0.0071 of their block absmax).
+  params = _params()
+  tx8 = pallasopt.optim.adamw(1e-2, state_format="int8", impl="xla")
+  ref = optax.adamw(1e-2)
+  s8, sref = tx8.init(params), ref.init(params)
+  grads = _grads(params, 0)
+  p8, s8 = jax.jit(tx8.apply_gradients)(params, grads, s8)
+  u, sref = ref.update(grads, sref, params)
+  pref = optax.apply_updates(params, u)
+  for k in ("w", "b"):
+    np.testing.assert_allclose(p8[k], pref[k], rtol=1e-6, atol=1e-7)
+  for name, signed in (("mu", True), ("nu", False)):
+    got = quant.dequantize(getattr(s8[0], name)["w"], signed=signed)
+    want = getattr(sref[0], name)["w"]
+    absmax = jnp.abs(want).reshape(-1, 256).max(axis=1, keepdims=True)
+    err = jnp.abs(got - want).reshape(-1, 256)
+    assert bool(jnp.all(err <= 0.0071 * absmax)), name
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_muon_momentum_in_low_bit_formats(fmt):
+  # Muon's momentum (and its AdamW part's moments) take the same formats;
+  # its orthogonalization reads the dequantized f32 momentum, so every impl
+  # stores the same state, and one step moves the params as Optax's Muon
+  # does up to the momentum's storage error (here: none yet, zero momentum).
+  params = {"w": _params()["w"], "b": _params()["b"], "m": _params()["e"][:16, :32]}
+  grads = _grads(params, 0)
+  states = {}
+  for impl in ("xla", "interpret"):
+    tx = pallasopt.optim.muon(0.02, state_format=fmt, seed=5, impl=impl)
+    p, s = params, tx.init(params)
+    for step in range(2):
+      p, s = jax.jit(tx.apply_gradients)(p, grads, s)
+    states[impl] = s
+  _assert_same(states["interpret"], states["xla"], "muon state")
+  mu = states["xla"].inner_states["muon"].inner_state[0].mu
+  assert isinstance(mu["w"], Int8Blockwise) if fmt == "int8" else mu["w"].dtype == jnp.bfloat16
+  assert mu["m"].dtype == (jnp.float32 if fmt == "int8" else jnp.bfloat16)  # 512 elements
+  ref = optax.contrib.muon(0.02)
+  u, _ = ref.update(grads, ref.init(params), params)
+  tx = pallasopt.optim.muon(0.02, state_format=fmt, impl="xla")
+  got, _ = jax.jit(tx.apply_gradients)(params, grads, tx.init(params))
+  want = optax.apply_updates(params, u)
+  for k in params:
+    assert_close(got[k], want[k], 1e-5 if params[k].dtype == jnp.float32 else tolerance(jnp.bfloat16), k)
+
+
+def test_convert_state_round_trips_through_low_bit_formats():
+  params = _params()
+  ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  state = ref.init(params)
+  for step in range(2):
+    u, state = ref.update(_grads(params, step), state, params)
+  as_int8 = pallasopt.optim.convert_state(state, params, "int8")
+  tx8 = optax.chain(optax.clip_by_global_norm(1.0),
+                    pallasopt.optim.adamw(1e-2, state_format="int8"))
+  assert jax.tree.structure(as_int8) == jax.tree.structure(tx8.init(params))
+  back = pallasopt.optim.convert_state(as_int8, params, None)
+  assert jax.tree.structure(back) == jax.tree.structure(state)
+  for name in ("mu", "nu"):
+    want, got = getattr(state[1][0], name), getattr(back[1][0], name)
+    assert got["h"].dtype == jnp.float16 and got["e"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got["b"], want["b"])  # small leaves stay f32
+    w, g = np.asarray(want["w"]), np.asarray(got["w"])
+    absmax = np.abs(w).reshape(-1, 256).max(axis=1, keepdims=True)
+    assert np.all(np.abs(g - w).reshape(-1, 256) <= 0.0071 * absmax)
+  # The converted state steps like one the low-bit transform built.
+  jax.jit(tx8.update)(_grads(params, 2), as_int8, params)
+  as_bf16 = pallasopt.optim.convert_state(state, params, "bf16")
+  assert as_bf16[1][0].mu["w"].dtype == jnp.bfloat16
+  lion_state = optax.lion(1e-3).init(params)
+  assert isinstance(pallasopt.optim.convert_state(lion_state, params, "int8")[0].mu["w"],
+                    Int8Blockwise)
+  # Optax's Muon state (partitioned: MaskedNodes where AdamW owns the params).
+  matrices = {k: params[k] for k in ("w", "b")}
+  muon_state = optax.contrib.muon(0.02).init(matrices)
+  as_int8 = pallasopt.optim.convert_state(muon_state, matrices, "int8")
+  assert jax.tree.structure(as_int8) == jax.tree.structure(
+      pallasopt.optim.muon(0.02, state_format="int8").init(matrices))
+  assert jax.tree.structure(pallasopt.optim.convert_state(as_int8, matrices, None)) == (
+      jax.tree.structure(muon_state))
+
+
+def test_int8_state_checkpoints_with_orbax(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params = _params()
+  tx = pallasopt.optim.lion(1e-3, state_format="int8")
+  state = tx.init(params)
+  _, state = jax.jit(tx.apply_gradients)(params, _grads(params, 0), state)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", state)
+  checkpointer.wait_until_finished()
+  restored = checkpointer.restore(tmp_path / "state", jax.eval_shape(tx.init, params))
+  _assert_same(restored, state, "restored")
+
+
+def test_sharding_specs_and_a_sharded_step():
+  params = {"w": jnp.zeros((64, 256)), "v": jnp.zeros((8, 1024, 12)), "b": jnp.zeros(64)}
+  specs = {"w": P("data"), "v": P(None, "data"), "b": P()}
+  tx = pallasopt.optim.adamw(1e-3, state_format="int8")
+  state_specs = optimizer_state_specs(jax.eval_shape(tx.init, params), params, specs)
+  mu = state_specs[0].mu
+  assert mu["w"] == Int8Blockwise(codes=P("data"), scales=P("data"))
+  assert mu["v"] == Int8Blockwise(codes=P(None, "data"), scales=P())  # scales (8, 48)
+  assert mu["b"] == P()
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  shard = lambda tree, spec: jax.tree.map(
+      lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)), tree, spec)
+  params = jax.tree.map(lambda x: x + 1.0, params)
+  grads = _grads(params, 0)
+  state = tx.init(params)
+  want = jax.jit(tx.apply_gradients)(params, grads, state)
+  got = jax.jit(tx.apply_gradients)(
+      shard(params, specs), shard(grads, specs), shard(state, state_specs))
+  _assert_same(jax.device_get(got), jax.device_get(want), "sharded")
+
+
+@pytest.mark.parametrize("name,config", [
+    ("adamw", pallasopt.optim.AdamWConfig(state_format="int8", seed=3)),
+    ("lion", pallasopt.optim.LionConfig(state_format="bf16", param_rounding="stochastic")),
+])
+def test_stage_local_path_runs_low_bit_state(name, config):
+  # The configs carry the format through the factory; the stage-local fused
+  # apply equals the same transform's update, None grads count as zeros.
+  tx, _ = pallasopt.optim.create_optimizer(name, config, impl="xla")
+  params = {k: v for k, v in _params().items() if k != "h"}
+  grads = _grads(params, 0)
+  state = tx.init(params)
+  got_params, got_state = jax.jit(
+      lambda p, g, s: tx.apply_gradients_stage_local(params=p, grads=g, opt_state=s)
+  )(params, {**grads, "b": None}, state)
+  u, want_state = jax.jit(tx.update)({**grads, "b": jnp.zeros_like(grads["b"])}, state, params)
+  _assert_same(got_state, want_state, "state")
+  want_params = optax.apply_updates(params, u)
+  for k in params:
+    assert_close(got_params[k], want_params[k], tolerance(params[k].dtype), k)
+
+
+def test_digits_convergence_with_low_bit_state():
+  # scikit-learn's digits (1797 8x8 images), a 64-256-10 tanh MLP, 150
+  # full-batch AdamW steps. Acceptance: int8 and bf16 state, and bf16 params
+  # with stochastic rounding and int8 state, reach Optax's f32-state loss
+  # within 2% (not above 1.02x it). Measured (jax 0.10.2, CPU): f32 0.04168,
+  # int8 0.04025, bf16 0.04169, bf16 params + int8 0.04005.
+  from sklearn.datasets import load_digits
+
+  digits = load_digits()
+  x = jnp.asarray(digits.data / 16.0, jnp.float32)
+  y = jnp.asarray(digits.target)
+  k1, k2 = jax.random.split(jax.random.key(0))
+  init = {"w1": jax.random.normal(k1, (64, 256)) / 8, "b1": jnp.zeros(256),
+          "w2": jax.random.normal(k2, (256, 10)) / 16, "b2": jnp.zeros(10)}
+
+  def loss(p):
+    p = jax.tree.map(lambda a: a.astype(jnp.float32), p)
+    logits = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  def final_loss(tx, params):
+    @jax.jit
+    def step(p, s):
+      return pallasopt.optim.apply_gradients(tx, p, jax.grad(loss)(p), s)
+
+    p, s = params, tx.init(params)
+    for _ in range(150):
+      p, s = step(p, s)
+    return float(loss(p))
+
+  f32 = final_loss(optax.adamw(3e-3), init)
+  int8 = final_loss(pallasopt.optim.adamw(3e-3, state_format="int8"), init)
+  bf16 = final_loss(pallasopt.optim.adamw(3e-3, state_format="bf16"), init)
+  bf16_params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), init)
+  pure_bf16 = final_loss(
+      pallasopt.optim.adamw(3e-3, state_format="int8", param_rounding="stochastic"), bf16_params)
+  assert f32 < 0.2 * float(loss(init))
+  for name, value in (("int8", int8), ("bf16", bf16), ("bf16 params + int8", pure_bf16)):
+    assert value <= 1.02 * f32, (name, f32, value)
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda: pallasopt.optim.adamw(1e-3, state_format="int4"), ValueError, "state_format"),
+        (lambda: pallasopt.optim.lion(1e-3, state_format="int8", mu_dtype=jnp.float32), ValueError,
+         "mu_dtype"),
+        (lambda: pallasopt.optim.adamw(1e-3, param_rounding="up"), ValueError, "param_rounding"),
+        (lambda: pallasopt.optim.adamw(1e-3, seed=1.5), ValueError, "seed"),
+        (lambda: pallasopt.optim.convert_state((), {}, "fp4"), ValueError, "state_format"),
+    ],
+)
+def test_bad_arguments(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_low_bit_state_needs_float32_or_bfloat16_grads():
+  params = {"w": jnp.zeros((64, 128))}
+  tx = pallasopt.optim.adamw(1e-3, state_format="int8")
+  grads = {"w": jnp.zeros((64, 128), jnp.float16)}
+  with pytest.raises(TypeError, match=r"grads\['w'\] has dtype float16"):
+    tx.update(grads, tx.init(params), params)
+  # Optax's own state (bf16 with mu_dtype) is still accepted alongside.
+  assert pallasopt.optim.adamw(1e-3, state_format="bf16", mu_dtype=jnp.bfloat16)
