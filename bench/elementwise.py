@@ -13,6 +13,15 @@ bytes per element of ``x`` and ``n`` elements per leaf:
   decays; writes u and the state) plus ``apply_updates`` (reads p, u; writes
   p): 40 B/param for f32 AdamW with decay, 32 for Lion.
 
+Low-bit state cases (`ElementwiseFamily.low_bit_case`, label
+``.../state-int8`` or ``.../state-bf16``, and ``.../bf16-sr/state-int8`` for
+bf16 params and grads with stochastic rounding) compare jitted Optax with
+fp32 state (the baseline), Optax with ``mu_dtype=bfloat16``, and pallasopt
+with that ``state_format``, each with its own state. Their floor is the
+low-bit fused apply kernel's cost estimate: per f32 parameter of a leaf with
+8-bit state, ``12 + 2 k (1 + 4/256)`` bytes (16.06 for AdamW), with bf16
+state ``12 + 4 k`` (20 for AdamW); leaves under 4096 elements keep f32 state.
+
 Every case compares three implementations (`harness.optimizer_case`): jitted
 Optax ``update`` + ``apply_updates``, pallasopt's Optax path and its fused
 in-place ``apply_gradients``. Trees decay only their matrices (the usual mask:
@@ -29,8 +38,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import optax
+
 from bench import harness, workloads
+from pallasopt.kernels import quant
 from pallasopt.kernels._elementwise import bytes_moved, updates_dtype
+from pallasopt.optim import convert_state
 
 __all__ = ["ElementwiseFamily", "decay_mask"]
 
@@ -89,6 +102,71 @@ class ElementwiseFamily:
       apply += n * (2 * jnp.dtype(p.dtype).itemsize + jnp.dtype(u).itemsize)
     return self.update_kernel_bytes(tree, decays, mu_dtype) + apply
 
+  def low_bit_bytes(self, tree: Any, state_format: str) -> int:
+    """Bytes the fused apply kernels move with ``state_format`` state (their cost estimates)."""
+    total = 0
+    for p in jax.tree.leaves(tree):
+      n = math.prod(p.shape)
+      if state_format == "int8" and n >= quant.MIN_QUANTIZED_SIZE:
+        codes = jax.ShapeDtypeStruct(p.shape, jnp.uint8)
+        scales = jax.ShapeDtypeStruct(quant.scales_shape(p.shape), jnp.float32)
+        state, sizes = [codes, scales] * self.moments, [n, n // quant.BLOCK] * self.moments
+      else:
+        dtype = jnp.bfloat16 if state_format == "bf16" else jnp.float32
+        state, sizes = [jax.ShapeDtypeStruct(p.shape, dtype)] * self.moments, [n] * self.moments
+      total += bytes_moved([p, p, *state], [p.dtype] + [s.dtype for s in state], [n, *sizes])
+    return total
+
+  def low_bit_case(
+      self, workload: workloads.Workload, state_format: str, *, bf16_params: bool = False
+  ) -> harness.Case:
+    """Optax with f32 state (and with a bf16 first moment) against ``state_format`` state.
+
+    ``bf16_params``: pallasopt's params and grads are bf16, rounded
+    stochastically, against Optax on the workload's f32 params.
+    """
+    mask = decay_mask(workload)
+    decays = [True] * workload.leaves if mask is None else jax.tree.leaves(mask)
+    kwargs = dict(self.hyperparams, mask=mask)
+    ours_tree = workload.tree
+    if bf16_params:
+      ours_tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), ours_tree)
+    label = f"{workload.label}{'/bf16-sr' if bf16_params else ''}/state-{state_format}"
+    ours = lambda impl: self.pallasopt_factory(
+        **kwargs, state_format=state_format,
+        param_rounding="stochastic" if bf16_params else "nearest", impl=impl,
+    )
+    optax_tx, optax_bf16 = self.optax_factory(**kwargs), self.optax_factory(
+        **kwargs, mu_dtype=jnp.bfloat16)
+
+    def inputs_for(tree, state_format=None, mu_dtype=None):
+      def inputs(key):
+        params = harness.random_tree(key, tree, stream=0)
+        grads = harness.random_tree(key, tree, stream=1)
+        state = harness.randomize_floats(key, optax_tx.init(params))
+        if state_format is not None or mu_dtype is not None:
+          state = convert_state(state, params, state_format, mu_dtype=mu_dtype)
+        return (params, state), grads
+      return inputs
+
+    impls = (
+        harness.Impl("optax", lambda k: harness.optax_step(optax_tx), pallas=False,
+                     bytes=self.update_bytes(workload.tree, decays)),
+        harness.Impl("optax.mu-bf16", lambda k: harness.optax_step(optax_bf16), pallas=False,
+                     bytes=self.update_bytes(workload.tree, decays, jnp.bfloat16),
+                     inputs=inputs_for(workload.tree, mu_dtype=jnp.bfloat16)),
+        harness.Impl("pallasopt.update", lambda k: harness.optax_step(ours(k)),
+                     inputs=inputs_for(ours_tree, state_format)),
+        harness.Impl("pallasopt.fused", lambda k: harness.fused_step(ours(k)),
+                     bytes=self.low_bit_bytes(ours_tree, state_format),
+                     inputs=inputs_for(ours_tree, state_format)),
+    )
+    return harness.Case(
+        family=self.name, workload=workload.name, label=label, params=workload.params,
+        leaves=workload.leaves, inputs=inputs_for(workload.tree), impls=impls,
+        bytes=self.low_bit_bytes(ours_tree, state_format), auto_on_cuda="xla",
+    )
+
   def case(self, workload: workloads.Workload, mu_dtype=None) -> harness.Case:
     """The family's case for a workload (``mu_dtype`` as in Optax)."""
     mask = decay_mask(workload)
@@ -117,4 +195,10 @@ class ElementwiseFamily:
         out.append(self.case(workloads.leaf(size, "bf16"), jnp.float32))
     for w in workloads.for_tier(tier, ("f32", "mixed")):
       out.append(self.case(w, jnp.float32 if w.label == "mixed" else None))
+    # Low-bit state on f32 leaves of at least 4096 elements and f32 trees.
+    low_bit = [workloads.leaf(n, "f32") for n in workloads.leaf_sizes(tier) if n >= 4096]
+    low_bit += [w for w in workloads.for_tier(tier, ("f32",)) if w.label == "f32"]
+    for w in low_bit:
+      out += [self.low_bit_case(w, "int8"), self.low_bit_case(w, "bf16"),
+              self.low_bit_case(w, "int8", bf16_params=True)]
     return out

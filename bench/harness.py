@@ -195,12 +195,16 @@ class Impl:
       ``kernel_impl`` matters (it is swept over `Settings.kernel_impls`).
     bytes: HBM bytes this implementation's own model moves per step (for the
       record; speeds use the case's floor).
+    inputs: this implementation's own ``inputs(key) -> (carry, consts)``
+      when its carry differs from the case's (a low-bit optimizer state);
+      None: `Case.inputs`.
   """
 
   name: str
   build: Callable[[str], StepFn]
   pallas: bool = True
   bytes: int | None = None
+  inputs: Callable[[jax.Array], tuple[Any, Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1120,7 +1124,8 @@ def run(
     }
     try:
       timing = _measure(
-          f"{case.family}:{impl.name}", impl.build(k), case.inputs, leaves=case.leaves,
+          f"{case.family}:{impl.name}", impl.build(k), impl.inputs or case.inputs,
+          leaves=case.leaves,
           s=settings, env=env, seed=i, profile_key=key,
       )
       record.update(timing)

@@ -16,11 +16,11 @@ import pytest
 
 # `bench/` is a folder at the repository root, not installed; pyproject.toml's
 # `pythonpath = ["."]` makes it importable, as `python -m bench` does.
-from bench import cases_adamw, harness, kernels, plot, trace_cost, workloads
+from bench import cases_adamw, cases_lion, harness, kernels, plot, trace_cost, workloads
 from pallasopt.kernels._compat import pl
 
 # Three implementations on a leaf, and the fused path on a stacked mixed-dtype tree.
-CI_FILTER = r"adamw/(leaf/f32/1000|decoder-tiny.*fused)"
+CI_FILTER = r"adamw/(leaf/f32/1000|decoder-tiny[^/]*/mixed.*fused)"
 
 
 def _run(argv, capsys):
@@ -250,6 +250,27 @@ def test_adamw_bytes_model_equals_the_kernels_cost_estimates(monkeypatch, worklo
   )
   if workload.label == "f32" or workload.label.startswith("f32/"):
     assert case.bytes == 28 * workload.params  # DESIGN.md: 28 B/param fp32 AdamW
+
+
+@pytest.mark.parametrize("family", [cases_adamw, cases_lion], ids=["adamw", "lion"])
+@pytest.mark.parametrize("state_format,bf16_params", [("int8", False), ("bf16", False),
+                                                      ("int8", True)])
+@pytest.mark.parametrize("workload", [workloads.leaf(4096, "f32"), workloads.for_tier("ci")[0]],
+                         ids=lambda w: w.name)
+def test_low_bit_bytes_model_equals_the_kernels_cost_estimates(
+    monkeypatch, family, state_format, bf16_params, workload
+):
+  case = family.SPEC.low_bit_case(workload, state_format, bf16_params=bf16_params)
+  fused = {i.name: i for i in case.impls}["pallasopt.fused"]
+  carry, grads = jax.eval_shape(fused.inputs, jax.random.key(0))
+  got = _cost_estimate_bytes(monkeypatch, fused.build("interpret"), carry, grads)
+  assert got == case.bytes == fused.bytes
+  if workload.name == "leaf":
+    # 12 B of p, g, p (f32) or 6 (bf16), and k moments of 1 B codes + 4 B per
+    # 256 (int8) or 2 B read and written (bf16 state).
+    per_moment = {"int8": 2 * (1 + 4 / 256), "bf16": 4}[state_format]
+    per_param = (6 if bf16_params else 12) + family.SPEC.moments * per_moment
+    assert case.bytes == per_param * workload.params
 
 
 @pytest.mark.parametrize("kind,name,gbps", [
