@@ -164,7 +164,9 @@ class ElementwiseFamily:
     return harness.Case(
         family=self.name, workload=workload.name, label=label, params=workload.params,
         leaves=workload.leaves, inputs=inputs_for(workload.tree), impls=impls,
-        bytes=self.low_bit_bytes(ours_tree, state_format), auto_on_cuda="xla",
+        bytes=self.low_bit_bytes(ours_tree, state_format),
+        # kernels._elementwise.cuda_auto: Triton for 8-bit moments, else XLA.
+        auto_on_cuda="pallas" if state_format == "int8" else "xla",
     )
 
   def case(self, workload: workloads.Workload, mu_dtype=None) -> harness.Case:

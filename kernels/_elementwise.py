@@ -55,6 +55,7 @@ __all__ = [
     "ROUNDINGS",
     "Moment",
     "per_element",
+    "cuda_auto",
     "store_moment",
     "updates_dtype",
     "reference_update",
@@ -327,6 +328,20 @@ def per_element(moments: Sequence[Moment], *roundings: str) -> bool:
   return not any(isinstance(m, quant.Int8Blockwise) for m in moments) and all(
       r == "nearest" for r in roundings
   )
+
+
+def cuda_auto(moments: Sequence[Moment]) -> str:
+  """What ``impl="auto"`` runs on a CUDA GPU for an update with these moments.
+
+  f32 and bf16 moments: the XLA reference, which fuses the update into one
+  pass (measured on an H100: the Triton kernel only tied it). 8-bit
+  moments: the Triton kernel, because XLA cannot fuse the blockwise
+  re-encoding into the update: its compiled reference reads and writes 3.5x
+  the kernel's bytes for AdamW (59.0 MB against 16.8 MB per 1M-element f32
+  leaf, XLA's cost analysis on a CPU host, bench/cases_adamw.py). Neither
+  8-bit path has been timed on a GPU yet.
+  """
+  return "pallas" if any(isinstance(m, quant.Int8Blockwise) for m in moments) else "xla"
 
 
 def store_moment(

@@ -33,7 +33,8 @@ kernel was never faster. Measured on an H100 (bench/results/
 nvidia-h100-80gb-hbm3, commit 5e874f6, against jitted Optax): the in-place
 step 0.44x Optax's speed on a 4K leaf, 0.86x at 1M, 0.99-1.00x from 16M up;
 ``update`` + ``apply_updates`` 0.36-0.76x (it writes ``u`` and reads it back).
-``impl="pallas"`` still runs Triton.
+``impl="pallas"`` still runs Triton. With 8-bit moments (`quant.Int8Blockwise`)
+``"auto"`` runs the Triton kernel on CUDA GPUs too (see `cuda_auto`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ import jax
 import jax.numpy as jnp
 
 from pallasopt.kernels._dispatch import dispatch
-from pallasopt.kernels._elementwise import kernel_update, per_element, reference_update
+from pallasopt.kernels._elementwise import (
+    cuda_auto,
+    kernel_update,
+    per_element,
+    reference_update,
+)
 
 __all__ = [
     "AdamWScalars",
@@ -202,7 +208,7 @@ def adamw_apply(
     key: the leaf's random key (`quant.leaf_key`) for stochastic rounding.
   """
   fn = dispatch(
-      adamw_reference, adamw_kernel, impl, auto_on_cuda="xla",
+      adamw_reference, adamw_kernel, impl, auto_on_cuda=cuda_auto((m, v)),
       elementwise=per_element((m, v), state_rounding, param_rounding),
   )
   return fn(
@@ -217,7 +223,7 @@ def adamw_updates(
 ):
   """AdamW in Optax form: returns ``(u, m, v)``; ``p`` may be None without decay."""
   fn = dispatch(
-      adamw_reference, adamw_kernel, impl, auto_on_cuda="xla",
+      adamw_reference, adamw_kernel, impl, auto_on_cuda=cuda_auto((m, v)),
       elementwise=per_element((m, v), state_rounding),
   )
   return fn(

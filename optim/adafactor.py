@@ -9,8 +9,18 @@ import jax.numpy as jnp
 import optax
 
 from pallasopt.kernels import adafactor as adafactor_kernels
+from pallasopt.kernels import quant
 from pallasopt.kernels._dispatch import resolve_impl
+from pallasopt.kernels._elementwise import store_moment
 from pallasopt.optim import _validation as v
+from pallasopt.optim._elementwise_tx import (
+    check_seed,
+    check_state_format,
+    is_quantized,
+    moment_arrays,
+    moment_value,
+    stored_moment,
+)
 from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
@@ -53,6 +63,8 @@ def adafactor(
     weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
     *,
     stacked_axes: int | None = None,
+    state_format: str | None = None,
+    seed: int | None = None,
     impl: str = "auto",
 ) -> FusedGradientTransformation:
   r"""Adafactor with factored second moments, fused per leaf.
@@ -125,6 +137,14 @@ def adafactor(
     stacked_axes: number of leading stacked-layer axes of every leaf (see
       above). A static int; None (the default) means 0, and keeps it out of
       ``optax.inject_hyperparams``' traced hyperparameters.
+    state_format: storage of the momentum (needs ``momentum``): None
+      (``dtype_momentum``, Optax's), ``"bf16"`` (stochastic rounding on
+      every store) or ``"int8"`` (8-bit blockwise codes on the signed map
+      for leaves of at least 4096 elements, f32 below); see
+      `pallasopt.optim.adamw`. With a format, ``dtype_momentum`` must stay
+      float32 (its default). The kernel updates the momentum in f32 and XLA
+      re-encodes it: one more pass over the momentum than AdamW's formats.
+    seed: seed of the stochastic roundings (None: 0).
 
   Dtypes: float32 and bfloat16 leaves run the fused kernel; any other leaf
   Optax accepts (float16, float64, complex) runs Optax's own chain for that
@@ -169,6 +189,19 @@ def adafactor(
           "optax.inject_hyperparams pass static_args=ADAFACTOR_STATIC_ARGS."
       )
     dtype_momentum = v.optional_dtype(_OWNER, "dtype_momentum", dtype_momentum)
+  if state_format is not None:
+    if momentum is None:
+      raise ValueError(
+          f"{_OWNER}: state_format={state_format!r} stores the momentum; momentum is None."
+      )
+    if dtype_momentum != jnp.float32:
+      raise ValueError(
+          f"{_OWNER}: dtype_momentum={dtype_momentum} and state_format={state_format!r} both"
+          " set the momentum's storage; leave dtype_momentum at float32."
+      )
+  check_state_format(_OWNER, state_format, None)
+  seed = 0 if seed is None else seed
+  check_seed(_OWNER, seed)
 
   # Optax's chain after scale_by_factored_rms: their init gives our states.
   links = {}
@@ -229,7 +262,15 @@ def adafactor(
     factored_state = optax.FactoredState(
         count=jnp.zeros([], jnp.int32), v_row=v_row, v_col=v_col, v=v_full
     )
-    return (factored_state, *(link.init(params) for link in links.values()))
+    state = [factored_state, *(link.init(params) for link in links.values())]
+    if state_format is not None:
+      i = position["momentum"]
+      state[i] = state[i]._replace(ema=jax.tree.map(
+          lambda m, p: stored_moment(m, p, signed=True, state_format=state_format,
+                                     dtype=m.dtype),
+          state[i].ema, params,
+      ))
+    return tuple(state)
 
   def step(grads, state, params, mode, grad_scale, learning_rate_now):
     if params is None:
@@ -241,7 +282,7 @@ def adafactor(
       v.check_same_tree(_OWNER, f"opt_state[0].{name}", tree, "the state for params", want)
     if "momentum" in links:
       v.check_same_tree(_OWNER, f"opt_state[{position['momentum']}].ema",
-                        state[position["momentum"]].ema, "params", params)
+                        moment_arrays(state[position["momentum"]].ema), "params", params)
 
     if learning_rate_now is None and learning_rate is not None:
       learning_rate_now = schedule_value(learning_rate, state[position["lr"]])
@@ -260,12 +301,34 @@ def adafactor(
     leaves = jax.tree.leaves(params)
     decays = ([False] * len(leaves) if never_decays
               else v.broadcast_mask(_OWNER, weight_decay_mask, grads))
-    ms = (jax.tree.leaves(state[position["momentum"]].ema) if "momentum" in links
-          else [None] * len(leaves))
+    ms = (jax.tree.leaves(state[position["momentum"]].ema, is_leaf=is_quantized)
+          if "momentum" in links else [None] * len(leaves))
     kernel = (adafactor_kernels.adafactor_apply if mode == "apply"
               else adafactor_kernels.adafactor_updates)
 
-    def leaf_step(p, g, vr, vc, vf, m, d):
+    def low_bit_step(index, path, p, g, vr, vc, vf, m, d):
+      """A leaf whose momentum is stored as ``state_format``: decoded for the
+      kernel, which updates it in f32, and re-encoded."""
+      if not v.kernel_dtypes(g):
+        raise TypeError(
+            f"{_OWNER}: state_format={state_format!r} needs float32 or bfloat16 grads;"
+            f" grads{path} has dtype {jnp.result_type(g)}."
+        )
+      m32 = moment_value(m, signed=True).astype(jnp.float32)
+      first, *stats, new_m = leaf_step(index, path, p, g, vr, vc, vf, m32, d)
+      bits = None
+      if state_format == "bf16":
+        key = quant.leaf_key(seed, optax.safe_increment(factored_state.count), index)
+        bits = quant.random_bits(key, quant.element_index(jnp.shape(g)), 1)
+      return (first, *stats, store_moment(new_m, m, signed=True, bits=bits))
+
+    def leaf_step(index, path, p, g, vr, vc, vf, m, d):
+      # Leaves whose params the kernels take store the momentum as
+      # state_format says: 8-bit codes or bf16 to re-encode (f32 below 4096).
+      if state_format is not None and v.kernel_dtypes(p) and (
+          is_quantized(m) or jnp.result_type(m) == jnp.bfloat16
+      ):
+        return low_bit_step(index, path, p, g, vr, vc, vf, m, d)
       if v.kernel_dtypes(p, g, vr, vc, vf, m):
         return kernel(p, g, vr, vc, vf, m, scalars(), factored_dims=dims_of(p.shape),
                       stacked_axes=stacked_axes, clipping=clipping_threshold is not None,
@@ -280,12 +343,13 @@ def adafactor(
         g = (g * grad_scale).astype(g.dtype)
       return optax_leaf(p, g, vr, vc, vf, m, state, d, mode, learning_rate_now, decay_now)
 
+    paths = [path for path, _ in v.keyed_leaves(grads)]
     results = [
-        leaf_step(p, g, vr, vc, vf, m, d)
-        for p, g, vr, vc, vf, m, d in zip(
-            leaves, jax.tree.leaves(grads), *map(jax.tree.leaves, factored_state[1:]),
+        leaf_step(i, path, p, g, vr, vc, vf, m, d)
+        for i, (path, p, g, vr, vc, vf, m, d) in enumerate(zip(
+            paths, leaves, jax.tree.leaves(grads), *map(jax.tree.leaves, factored_state[1:]),
             ms, decays, strict=True,
-        )
+        ))
     ]
     treedef = jax.tree.structure(params)
     first, v_row, v_col, v_full, new_m = (
