@@ -112,6 +112,8 @@ class AdafactorConfig:
     weight_decay_rate: decoupled weight decay (None: none).
     eps: regulariser of the second moment.
     factored: factor the second moment of matrices.
+    state_format: storage of the momentum: None, ``"bf16"`` or ``"int8"``.
+    seed: seed of the stochastic roundings (None: 0).
   """
 
   min_dim_size_to_factor: int = 128
@@ -124,6 +126,8 @@ class AdafactorConfig:
   weight_decay_rate: float | None = None
   eps: float = 1e-30
   factored: bool = True
+  state_format: str | None = None
+  seed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +153,9 @@ class MuonConfig:
     adam_b2: the AdamW fallback's ``b2``.
     adam_eps_root: the AdamW fallback's ``eps_root``.
     adam_weight_decay: the AdamW fallback's weight decay.
+    state_format: storage of the momentum (both parts): None, ``"bf16"`` or
+      ``"int8"``.
+    seed: seed of the stochastic roundings (None: 0).
   """
 
   ns_coeffs: Any = (3.4445, -4.775, 2.0315)
@@ -164,6 +171,8 @@ class MuonConfig:
   adam_b2: float = 0.999
   adam_eps_root: float = 0.0
   adam_weight_decay: float = 0.0
+  state_format: str | None = None
+  seed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

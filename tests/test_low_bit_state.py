@@ -374,6 +374,8 @@ def test_sharding_specs_and_a_sharded_step():
 @pytest.mark.parametrize("name,config", [
     ("adamw", pallasopt.optim.AdamWConfig(state_format="int8", seed=3)),
     ("lion", pallasopt.optim.LionConfig(state_format="bf16", param_rounding="stochastic")),
+    ("muon", pallasopt.optim.MuonConfig(state_format="int8")),
+    ("adafactor", pallasopt.optim.AdafactorConfig(momentum=0.9, state_format="bf16")),
 ])
 def test_stage_local_path_runs_low_bit_state(name, config):
   # The configs carry the format through the factory; the stage-local fused
