@@ -7,6 +7,8 @@ dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
 
 * `pallasopt.kernels.adamw`: fused AdamW / NAdamW (apply and updates modes);
 * `pallasopt.kernels.lion`: fused Lion;
+* `pallasopt.kernels.rmsprop`: fused RMSProp (centered, bias-corrected and
+  with momentum, as Optax chains it);
 * `pallasopt.kernels.adafactor`: factored second moments, update clipping,
   parameter scale and momentum in two passes over the gradient;
 * `pallasopt.kernels.newton_schulz`: batched Newton–Schulz orthogonalization
@@ -22,7 +24,16 @@ dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
   stochastic rounding to bfloat16.
 """
 
-from pallasopt.kernels import adafactor, adamw, gram, kron, lion, newton_schulz, quant
+from pallasopt.kernels import (
+    adafactor,
+    adamw,
+    gram,
+    kron,
+    lion,
+    newton_schulz,
+    quant,
+    rmsprop,
+)
 from pallasopt.kernels._dispatch import (
     IMPLS,
     PLATFORMS,
@@ -82,6 +93,7 @@ __all__ = [
     "lion",
     "newton_schulz",
     "quant",
+    "rmsprop",
     # AdamW.
     "AdamWScalars",
     "adamw_apply",

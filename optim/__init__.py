@@ -10,6 +10,7 @@ pallasopt              counterpart
 =====================  ======================================
 `adamw`, `nadamw`      ``optax.adamw``, ``optax.nadamw``
 `lion`                 ``optax.lion``
+`rmsprop`              ``optax.rmsprop``
 `adafactor`            ``optax.adafactor``
 `muon`                 ``optax.contrib.muon``
 `kron`                 psgd_jax 0.2.9 ``kron``
@@ -33,6 +34,7 @@ from pallasopt.optim.adamw import adamw, nadamw
 from pallasopt.optim.configs import create_scheduler
 from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_schedule, scale_by_kron
 from pallasopt.optim.lion import lion
+from pallasopt.optim.rmsprop import rmsprop
 from pallasopt.optim.state_formats import convert_state
 from pallasopt.optim.muon import (
     MUON_STATIC_ARGS,
@@ -71,6 +73,7 @@ __all__ = [
     "lion",
     "muon",
     "nadamw",
+    "rmsprop",
     "scale_by_kron",
     "ADAFACTOR_STATIC_ARGS",
     "precond_update_prob_schedule",

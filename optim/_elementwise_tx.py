@@ -60,6 +60,7 @@ __all__ = [
     "is_quantized",
     "moment_arrays",
     "check_seed",
+    "fused_leaf_steps",
 ]
 
 STATE_FORMATS: tuple[str | None, ...] = (None, "bf16", "int8")
@@ -145,6 +146,71 @@ def check_seed(owner: str, seed: Any) -> None:
     raise ValueError(f"{owner}: seed must be an int32 value; got {seed!r}.")
 
 
+def fused_leaf_steps(
+    owner: str,
+    grads: Any,
+    params: list[Any],
+    moments: Sequence[Any],
+    decays: list[bool],
+    *,
+    mode: str,
+    kernel: KernelFn,
+    scalars: Callable[[], tuple],
+    optax_fallback: Callable[..., tuple],
+    grad_scale: Any,
+    state_format: str | None,
+    param_rounding: str,
+    seed: Any,
+    count: jax.Array,
+    impl: str,
+) -> list[tuple]:
+  """One elementwise step of every leaf: ``[(first, *moments) per leaf]``.
+
+  A leaf runs ``kernel(p, g, *moments, scalars(), key, decay=, impl=,
+  state_rounding=[, param_rounding=])`` when its params, grads and moments
+  are float32 or bfloat16 or its state is low-bit (which then needs such
+  grads), else ``optax_fallback(p, g, moments, decay)`` (Optax's math in the
+  leaf's dtypes, on grads already scaled by ``grad_scale``). The random key of
+  leaf ``i`` is ``quant.leaf_key(seed, count, i)``.
+
+  Args:
+    owner: the public name, for messages.
+    grads: the gradient tree.
+    params: the param leaves (None entries where they are not read).
+    moments: the moment trees (8-bit moments as leaves).
+    decays: per leaf, whether it decays.
+  """
+  state_rounding = "stochastic" if state_format == "bf16" else "nearest"
+  rounds = state_format is not None or param_rounding == "stochastic"
+
+  def leaf_step(index, path, p, g, *ms, decay):
+    # Leaves whose params the kernels take hold low-bit state; the others
+    # hold Optax's, in the params' dtype.
+    low_bit = state_format is not None and all(is_quantized(m) or v.kernel_dtypes(m) for m in ms)
+    if low_bit and not v.kernel_dtypes(g):
+      raise TypeError(
+          f"{owner}: state_format={state_format!r} needs float32 or bfloat16 grads;"
+          f" grads{path} has dtype {jnp.result_type(g)}."
+      )
+    if low_bit or v.kernel_dtypes(p, g, *ms):
+      options = {"state_rounding": state_rounding}
+      if mode == "apply":
+        options["param_rounding"] = param_rounding
+      key = quant.leaf_key(seed, count, index) if rounds else None
+      return kernel(p, g, *ms, scalars(), key, decay=decay, impl=impl, **options)
+    if grad_scale is not None:
+      g = (g * grad_scale).astype(g.dtype)
+    return optax_fallback(p, g, ms, decay)
+
+  moment_leaves = [jax.tree.leaves(m, is_leaf=is_quantized) for m in moments]
+  paths = [path for path, _ in v.keyed_leaves(grads)]
+  columns = (paths, params, jax.tree.leaves(grads), *moment_leaves, decays)
+  return [
+      leaf_step(i, path, p, g, *ms, decay=d)
+      for i, (path, p, g, *ms, d) in enumerate(zip(*columns, strict=True))
+  ]
+
+
 def elementwise_transform(
     owner: str,
     learning_rate: optax.ScalarOrSchedule,
@@ -200,8 +266,6 @@ def elementwise_transform(
   check_rounding(f"{owner}: param_rounding", param_rounding)
   seed = 0 if seed is None else seed
   check_seed(owner, seed)
-  state_rounding = "stochastic" if state_format == "bf16" else "nearest"
-  rounds = state_format is not None or param_rounding == "stochastic"
   first_moment = state_cls._fields[1]
   num_moments = len(state_cls._fields) - 1
   # Optax builds these two states; reusing their init keeps ours identical.
@@ -255,34 +319,16 @@ def elementwise_transform(
           count, learning_rate_now, weight_decay_now, 1.0 if grad_scale is None else grad_scale
       )
 
-    def leaf_step(index, path, p, g, *ms, decay):
-      # Leaves whose params the kernels take hold low-bit state; the others
-      # hold Optax's, in the params' dtype.
-      low_bit = state_format is not None and all(is_quantized(m) or v.kernel_dtypes(m) for m in ms)
-      if low_bit and not v.kernel_dtypes(g):
-        raise TypeError(
-            f"{owner}: state_format={state_format!r} needs float32 or bfloat16 grads;"
-            f" grads{path} has dtype {jnp.result_type(g)}."
-        )
-      if low_bit or v.kernel_dtypes(p, g, *ms):
-        options = {"state_rounding": state_rounding}
-        if mode == "apply":
-          options["param_rounding"] = param_rounding
-        key = quant.leaf_key(seed, count, index) if rounds else None
-        return kernel(p, g, *ms, step_scalars(), key, decay=decay, impl=impl, **options)
-      if grad_scale is not None:
-        g = (g * grad_scale).astype(g.dtype)
+    def optax_fallback(p, g, ms, decay):
       return optax_leaf(
           p, g, ms, moment_state.count, learning_rate_now, weight_decay_now, decay, mode
       )
 
-    moment_leaves = [jax.tree.leaves(m, is_leaf=is_quantized) for m in moments]
-    paths = [path for path, _ in v.keyed_leaves(grads)]
-    columns = (paths, ps, jax.tree.leaves(grads), *moment_leaves, decays)
-    results = [
-        leaf_step(i, path, p, g, *ms, decay=d)
-        for i, (path, p, g, *ms, d) in enumerate(zip(*columns, strict=True))
-    ]
+    results = fused_leaf_steps(
+        owner, grads, ps, moments, decays, mode=mode, kernel=kernel, scalars=step_scalars,
+        optax_fallback=optax_fallback, grad_scale=grad_scale, state_format=state_format,
+        param_rounding=param_rounding, seed=seed, count=count, impl=impl,
+    )
     treedef = jax.tree.structure(grads)
     by_output = list(zip(*results, strict=True)) or [()] * (1 + num_moments)
     first, *new_moments = (treedef.unflatten(column) for column in by_output)

@@ -185,3 +185,26 @@ def lowered_text(fn, platform, *args) -> str:
         jax.jit(fn), platforms=[platform], disabled_checks=_DISABLED_CHECKS[platform]
     )(*args)
   return exported.mlir_module()
+
+
+def digits_mlp(hidden: int):
+  """scikit-learn's digits (1797 8x8 images, 10 classes) and a 64-hidden-10 tanh MLP.
+
+  Returns ``(init_params, loss)``; ``loss(params)`` is the full-batch mean
+  cross-entropy, computed in f32 whatever the params' dtype.
+  """
+  from sklearn.datasets import load_digits
+
+  digits = load_digits()
+  x = jnp.asarray(digits.data / 16.0, jnp.float32)
+  y = jnp.asarray(digits.target)
+  k1, k2 = jax.random.split(jax.random.key(0))
+  init = {"w1": jax.random.normal(k1, (64, hidden)) / 8, "b1": jnp.zeros(hidden),
+          "w2": jax.random.normal(k2, (hidden, 10)) / np.sqrt(hidden), "b2": jnp.zeros(10)}
+
+  def loss(p):
+    p = jax.tree.map(lambda a: a.astype(jnp.float32), p)
+    logits = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  return init, loss

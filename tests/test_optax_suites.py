@@ -2,7 +2,8 @@
 
 Generated at run time from the installed optax (`optax_suites.load_suite`):
 
-* ``optax._src.alias_test.AliasTest``, rows adamw, nadamw, lion, adafactor;
+* ``optax._src.alias_test.AliasTest``, rows adamw, nadamw, lion, adafactor,
+  rmsprop;
 * ``optax.contrib._muon_test.MuonTest``;
 * ``optax.contrib._common_test.ContribTest``, the muon rows.
 
@@ -19,7 +20,7 @@ import pallasopt
 from optax_suites import load_suite
 from pallasopt.kernels import use_impl
 
-_ALIAS_NAMES = ("adamw", "nadamw", "lion", "adafactor")
+_ALIAS_NAMES = ("adamw", "nadamw", "lion", "adafactor", "rmsprop")
 _OURS = {name: getattr(pallasopt.optim, name) for name in _ALIAS_NAMES}
 
 # (module, kept rows, kept class, {imported module: substitutions}).

@@ -1,0 +1,219 @@
+r"""Fused RMSProp: one pass over (p, g, [mu,] nu, [trace]) per leaf.
+
+RMSProp (Hinton, `Neural Networks for Machine Learning, lecture 6e
+<https://www.cs.toronto.edu/~tijmen/csc321/slides/lecture_slides_lec6.pdf>`_,
+2012; the centered form after Graves, `Generating Sequences With Recurrent
+Neural Networks <https://arxiv.org/abs/1308.0850>`_, 2013), exactly as
+`optax.rmsprop` chains it: ``scale_by_rms`` (or ``scale_by_stddev`` when
+centered), ``scale_by_learning_rate``, then ``trace`` when there is
+momentum. With step :math:`t`, decay :math:`\rho` and gradient :math:`g`:
+
+.. math::
+
+  \nu_t &= \rho\,\nu_{t-1} + (1 - \rho)\,g^2, \qquad
+  \mu_t = \rho\,\mu_{t-1} + (1 - \rho)\,g \quad\text{(centered)} \\
+  s &= \left(\hat\nu - \hat\mu^2 + \epsilon\right)^{-1/2}
+     \quad\text{or, with eps outside the root,}\quad
+     1 / \left(\sqrt{\hat\nu - \hat\mu^2} + \epsilon\right) \\
+  u &= -\eta\, s\, g, \qquad
+  \tau_t = u + \beta \tau_{t-1}, \qquad
+  u \leftarrow \tau_t \text{ or, with Nesterov, } u + \beta\tau_t
+
+where the hats divide by :math:`1 - \rho^t` with ``bias_correction`` (else
+1), :math:`\hat\mu = 0` unless centered, and the trace :math:`\tau` exists
+only with momentum :math:`\beta`. The moments in kernel order are
+``(mu if centered, nu, trace if momentum)``; modes, dtypes, 8-bit moments and
+stochastic rounding are those of `_elementwise.kernel_update`.
+
+Dispatch: like AdamW's (`pallasopt.kernels.adamw`), ``impl="auto"`` runs the
+XLA reference on CUDA GPUs for f32 and bf16 moments (XLA fuses this
+elementwise update into one pass) and the Triton kernel for 8-bit moments.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallasopt.kernels._dispatch import dispatch
+from pallasopt.kernels._elementwise import (
+    cuda_auto,
+    kernel_update,
+    per_element,
+    reference_update,
+)
+
+__all__ = [
+    "RMSPropScalars",
+    "rmsprop_scalars",
+    "rmsprop_reference",
+    "rmsprop_kernel",
+    "rmsprop_apply",
+    "rmsprop_updates",
+    "moment_signs",
+]
+
+# Gradient scale, nu, mu, correction, centering, root and scale, lr, trace.
+FLOPS_PER_ELEMENT = 18
+
+
+class RMSPropScalars(NamedTuple):
+  """Per-step scalars of an RMSProp update; every field is a 0-d value."""
+
+  learning_rate: jax.typing.ArrayLike
+  decay: jax.typing.ArrayLike
+  one_minus_decay: jax.typing.ArrayLike  # 1 - decay before rounding to f32
+  eps: jax.typing.ArrayLike
+  bias_correction: jax.typing.ArrayLike  # 1 - decay**t, or 1 without correction
+  momentum: jax.typing.ArrayLike  # 0 without momentum
+  grad_scale: jax.typing.ArrayLike  # multiplies g on load, e.g. a clip factor
+
+
+def rmsprop_scalars(
+    learning_rate: jax.typing.ArrayLike,
+    decay: jax.typing.ArrayLike,
+    eps: jax.typing.ArrayLike,
+    *,
+    count: jax.typing.ArrayLike | None = None,
+    momentum: jax.typing.ArrayLike | None = None,
+    grad_scale: jax.typing.ArrayLike = 1.0,
+) -> RMSPropScalars:
+  """The scalars of one step; ``count`` (from 1) only with bias correction."""
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  correction = 1.0 if count is None else 1 - decay ** jnp.asarray(count)
+  return RMSPropScalars(
+      learning_rate=f32(learning_rate),
+      decay=f32(decay),
+      one_minus_decay=f32(1 - decay),
+      eps=f32(eps),
+      bias_correction=f32(correction),
+      momentum=f32(0.0 if momentum is None else momentum),
+      grad_scale=f32(grad_scale),
+  )
+
+
+def moment_signs(*, centered: bool, momentum: bool) -> tuple[bool, ...]:
+  """Whether each kernel moment ``(mu, nu, trace)`` present has both signs (8-bit maps)."""
+  return (True,) * centered + (False,) + (True,) * momentum
+
+
+def _rmsprop_math(
+    s: RMSPropScalars, p, g, *moments, centered: bool, eps_in_sqrt: bool, momentum: bool,
+    nesterov: bool, decay: bool,
+):
+  """The update on f32 values: returns ``(u, *moments)``; RMSProp never decays."""
+  del p, decay
+  rest = iter(moments)
+  mu = next(rest) if centered else None
+  nu = next(rest)
+  trace = next(rest) if momentum else None
+  g = g * s.grad_scale
+  nu = s.one_minus_decay * (g * g) + s.decay * nu
+  spread = nu / s.bias_correction
+  if centered:
+    mu = s.one_minus_decay * g + s.decay * mu
+    mu_hat = mu / s.bias_correction
+    spread = spread - mu_hat * mu_hat
+  if eps_in_sqrt:
+    scaling = jax.lax.rsqrt(spread + s.eps)
+  else:
+    scaling = 1 / (jnp.sqrt(spread) + s.eps)
+  u = -s.learning_rate * (scaling * g)
+  new = ((mu,) if centered else ()) + (nu,)
+  if momentum:
+    trace = u + s.momentum * trace
+    u = u + s.momentum * trace if nesterov else trace
+    new += (trace,)
+  return (u, *new)
+
+
+def _math(centered, eps_in_sqrt, momentum, nesterov):
+  return functools.partial(
+      _rmsprop_math, centered=centered, eps_in_sqrt=eps_in_sqrt, momentum=momentum,
+      nesterov=nesterov,
+  )
+
+
+def rmsprop_reference(
+    p, g, moments, scalars: RMSPropScalars, key=None, *, mode: str, centered: bool,
+    eps_in_sqrt: bool, nesterov: bool, state_rounding: str = "nearest",
+    param_rounding: str = "nearest",
+):
+  """Pure-jnp RMSProp; the XLA path and the kernels' specification.
+
+  Args:
+    p: params, or None in ``"updates"`` mode.
+    g: gradient.
+    moments: ``(mu if centered, nu, trace if momentum)``, arrays or
+      `quant.Int8Blockwise` (mu and trace on the signed map, nu unsigned).
+    scalars: `RMSPropScalars` of this step; momentum is on when ``moments``
+      has a trace.
+    key: the leaf's random key, when something rounds stochastically.
+    mode: ``"apply"`` returns ``(p + u, *moments)``; ``"updates"``
+      ``(u, *moments)``.
+    centered, eps_in_sqrt, nesterov: as `optax.rmsprop`.
+    state_rounding, param_rounding: see `_elementwise.reference_update`.
+  """
+  momentum = len(moments) == 1 + centered + 1
+  return reference_update(
+      _math(centered, eps_in_sqrt, momentum, nesterov), p, g, moments, scalars, mode=mode,
+      decay=False, signed=moment_signs(centered=centered, momentum=momentum),
+      state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+  )
+
+
+def rmsprop_kernel(
+    p, g, moments, scalars: RMSPropScalars, key=None, *, mode: str, centered: bool,
+    eps_in_sqrt: bool, nesterov: bool, backend: str, interpret: bool = False,
+    state_rounding: str = "nearest", param_rounding: str = "nearest",
+):
+  """Pallas RMSProp, same signature and results as `rmsprop_reference`.
+
+  Args:
+    backend: ``"tpu"`` or ``"triton"``.
+    interpret: run in the Pallas interpreter.
+  """
+  momentum = len(moments) == 1 + centered + 1
+  return kernel_update(
+      _math(centered, eps_in_sqrt, momentum, nesterov), p, g, moments, scalars, mode=mode,
+      decay=False, backend=backend, interpret=interpret, name="rmsprop",
+      flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1,
+      signed=moment_signs(centered=centered, momentum=momentum),
+      state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+  )
+
+
+def _run(p, g, moments, scalars, key, *, mode, impl, rounding, **config):
+  fn = dispatch(
+      rmsprop_reference, rmsprop_kernel, impl, auto_on_cuda=cuda_auto(moments),
+      elementwise=per_element(moments, *rounding.values()),
+  )
+  return fn(p, g, tuple(moments), scalars, key, mode=mode, **config, **rounding)
+
+
+def rmsprop_apply(
+    p, g, moments, scalars: RMSPropScalars, key=None, *, centered: bool = False,
+    eps_in_sqrt: bool = True, nesterov: bool = False, impl: str = "auto",
+    state_rounding: str = "nearest", param_rounding: str = "nearest",
+):
+  """One fused RMSProp step: returns ``(p + u, *moments)`` (see `rmsprop_reference`)."""
+  return _run(
+      p, g, moments, scalars, key, mode="apply", impl=impl, centered=centered,
+      eps_in_sqrt=eps_in_sqrt, nesterov=nesterov,
+      rounding=dict(state_rounding=state_rounding, param_rounding=param_rounding),
+  )
+
+
+def rmsprop_updates(
+    p, g, moments, scalars: RMSPropScalars, key=None, *, centered: bool = False,
+    eps_in_sqrt: bool = True, nesterov: bool = False, impl: str = "auto",
+    state_rounding: str = "nearest",
+):
+  """RMSProp in Optax form: returns ``(u, *moments)``; ``p`` is not read."""
+  return _run(
+      None, g, moments, scalars, key, mode="updates", impl=impl, centered=centered,
+      eps_in_sqrt=eps_in_sqrt, nesterov=nesterov, rounding=dict(state_rounding=state_rounding),
+  )

@@ -1,0 +1,154 @@
+"""RMSProp: the kernel against its reference, the drop-in against `optax.rmsprop`.
+
+Optax's own alias tests run against the drop-in in tests/test_optax_suites.py.
+"""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+import pallasopt
+from helpers import (
+    CUSTOM_CALL,
+    ELEMENTWISE_KERNEL_CASES,
+    assert_close,
+    assert_trees_close,
+    lowered_text,
+    random_array,
+    sds,
+    tolerance,
+)
+from pallasopt.kernels import quant, rmsprop as rmsprop_k
+from pallasopt.optim import Int8Blockwise
+
+
+def _moments(rng, shape, dtype, *, centered, momentum):
+  mu = random_array(rng, shape, dtype, scale=0.1)
+  # A centered state has nu >= mu^2 (an EMA of g^2 bounds the square of g's).
+  nu = (mu.astype(jnp.float32) ** 2 + 0.01 + random_array(
+      rng, shape, jnp.float32, positive=True, scale=0.1)).astype(dtype)
+  trace = random_array(rng, shape, dtype, scale=0.01)
+  return (mu,) * centered + (nu,) + (trace,) * momentum
+
+
+@settings(deadline=None)
+@given(
+    **ELEMENTWISE_KERNEL_CASES,
+    centered=st.booleans(),
+    momentum=st.booleans(),
+    nesterov=st.booleans(),
+    eps_in_sqrt=st.booleans(),
+    bias_correction=st.booleans(),
+)
+def test_kernel_equals_reference_over_steps(
+    shape, param_dtype, grad_dtype, mu_dtype, mode, decay, backend, seed, centered, momentum,
+    nesterov, eps_in_sqrt, bias_correction,
+):
+  del decay  # RMSProp has no weight decay
+  rng = np.random.default_rng(seed)
+  p = random_array(rng, shape, param_dtype)
+  moments = _moments(rng, shape, mu_dtype, centered=centered, momentum=momentum)
+  if bias_correction:
+    # Bias correction is exact only from the zero state (step 1 divides by
+    # 1 - decay); centered, it then meets g^2 - g^2 = 0 under the root, which
+    # rounding may make negative: NaN in Optax too unless eps is inside.
+    assume(not (centered and not eps_in_sqrt))
+    moments = tuple(jnp.zeros_like(m) for m in moments)
+  config = dict(mode=mode, centered=centered, eps_in_sqrt=eps_in_sqrt, nesterov=nesterov)
+  for step in range(1, 4):
+    g = random_array(rng, shape, grad_dtype)
+    s = rmsprop_k.rmsprop_scalars(
+        1e-2, 0.9, 1e-2, count=step if bias_correction else None,
+        momentum=0.9 if momentum else None, grad_scale=0.5,
+    )
+    want = rmsprop_k.rmsprop_reference(p, g, moments, s, **config)
+    got = rmsprop_k.rmsprop_kernel(p, g, moments, s, **config, backend=backend, interpret=True)
+    for a, b in zip(got, want):
+      assert a.dtype == b.dtype
+      assert_close(a, b, tolerance(a.dtype), err_msg=f"step {step}", operands=(p,))
+    moments = want[1:]
+    if mode == "apply":
+      p = want[0]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("shape", [(), (7,), (37, 128), (1_000_003,), (4096, 1024)], ids=str)
+@pytest.mark.parametrize("centered,momentum", [(False, False), (True, True)])
+def test_kernel_lowers(platform, shape, centered, momentum):
+  p = sds(shape)
+  moments = (p,) * (1 + centered + momentum)
+  s = rmsprop_k.rmsprop_scalars(1e-3, 0.9, 1e-8, count=jnp.int32(2), momentum=0.9)
+  fn = lambda p, g, ms, s: rmsprop_k.rmsprop_apply(p, g, ms, s, centered=centered, impl="pallas")
+  assert lowered_text(fn, platform, p, p, moments, s).count(CUSTOM_CALL[platform]) == 1
+
+
+CONFIGS = [
+    dict(centered=c, momentum=m, nesterov=n, bias_correction=b, eps_in_sqrt=e)
+    for c, m, n, b, e in itertools.product(
+        [False, True], [None, 0.9], [False, True], [False, True], [True, False])
+    if m is not None or not n
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(
+    f"{k}={v}" for k, v in c.items() if v not in (None, False)) or "plain")
+def test_drop_in_equals_optax(config, impl):
+  # Same state tree and, over steps of a schedule, the same params and state
+  # (the float16 leaf runs Optax's own math, as any dtype no kernel takes).
+  params = {"w": random_array(np.random.default_rng(0), (64, 256), jnp.float32),
+            "b": jnp.ones((64,)), "h": jnp.ones((3,), jnp.float16)}
+  kwargs = dict(config, learning_rate=optax.linear_schedule(1e-2, 1e-3, 10), decay=0.9,
+                eps=1e-8 if config["eps_in_sqrt"] else 1e-3, initial_scale=0.1)
+  tx, ref = pallasopt.optim.rmsprop(**kwargs, impl=impl), optax.rmsprop(**kwargs)
+  s, r = tx.init(params), ref.init(params)
+  assert jax.tree.structure(s) == jax.tree.structure(r)
+  p = q = params
+  for i in range(3):
+    grads = jax.tree.map(lambda x, i=i: jnp.cos(x * (i + 1)).astype(x.dtype), p)
+    p, s = jax.jit(tx.apply_gradients)(p, grads, s)
+    # Jitted both: XLA computes float16 chains in f32 under jit, not eagerly.
+    u, r = jax.jit(ref.update)(grads, r, q)
+    q = optax.apply_updates(q, u)
+  assert_trees_close((p, s), (q, r), rtol=2e-6)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_low_bit_state(fmt):
+  # nu on the unsigned map, mu and the trace on the signed one; every impl
+  # stores the same state, bit for bit (the grads do not depend on the params).
+  params = {"w": random_array(np.random.default_rng(0), (48, 256), jnp.float32),
+            "b": jnp.ones((64,), jnp.bfloat16)}
+  grads = jax.tree.map(lambda x: jnp.cos(x).astype(x.dtype), params)
+  states = {}
+  for impl in ("xla", "interpret"):
+    tx = pallasopt.optim.rmsprop(1e-2, centered=True, momentum=0.9, state_format=fmt,
+                                 param_rounding="stochastic", impl=impl)
+    p, s = params, tx.init(params)
+    for _ in range(2):
+      p, s = jax.jit(tx.apply_gradients)(p, grads, s)
+    states[impl] = s
+  for a, b in zip(jax.tree.leaves(states["interpret"]), jax.tree.leaves(states["xla"])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  rms, _, trace = states["xla"]
+  assert int(rms.count) == 2  # stochastic rounding keeps a step count
+  if fmt == "int8":
+    assert all(isinstance(x["w"], Int8Blockwise) for x in (rms.mu, rms.nu, trace.trace))
+    assert rms.nu["b"].dtype == jnp.float32  # under 4096 elements
+  else:
+    assert all(x[k].dtype == jnp.bfloat16 for x in (rms.mu, rms.nu, trace.trace) for k in "wb")
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="decay"):
+    pallasopt.optim.rmsprop(1e-3, decay=1.5)
+  with pytest.raises(ValueError, match="momentum"):
+    pallasopt.optim.rmsprop(1e-3, momentum=-0.1)
+  with pytest.raises(ValueError, match="state_format"):
+    pallasopt.optim.rmsprop(1e-3, state_format="int4")
