@@ -7,6 +7,7 @@ dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
 
 * `pallasopt.kernels.adamw`: fused AdamW / NAdamW (apply and updates modes);
 * `pallasopt.kernels.lion`: fused Lion;
+* `pallasopt.kernels.mars`: fused MARS (variance-reduced AdamW, eFormer's);
 * `pallasopt.kernels.rmsprop`: fused RMSProp (centered, bias-corrected and
   with momentum, as Optax chains it);
 * `pallasopt.kernels.adafactor`: factored second moments, update clipping,
@@ -30,6 +31,7 @@ from pallasopt.kernels import (
     gram,
     kron,
     lion,
+    mars,
     newton_schulz,
     quant,
     rmsprop,
@@ -91,6 +93,7 @@ __all__ = [
     "gram",
     "kron",
     "lion",
+    "mars",
     "newton_schulz",
     "quant",
     "rmsprop",

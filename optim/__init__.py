@@ -11,6 +11,7 @@ pallasopt              counterpart
 `adamw`, `nadamw`      ``optax.adamw``, ``optax.nadamw``
 `lion`                 ``optax.lion``
 `rmsprop`              ``optax.rmsprop``
+`mars`                 eFormer's ``mars`` (``_tx.mars``)
 `adafactor`            ``optax.adafactor``
 `muon`                 ``optax.contrib.muon``
 `kron`                 psgd_jax 0.2.9 ``kron``
@@ -34,6 +35,7 @@ from pallasopt.optim.adamw import adamw, nadamw
 from pallasopt.optim.configs import create_scheduler
 from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_schedule, scale_by_kron
 from pallasopt.optim.lion import lion
+from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
 from pallasopt.optim.rmsprop import rmsprop
 from pallasopt.optim.state_formats import convert_state
 from pallasopt.optim.muon import (
@@ -74,6 +76,9 @@ __all__ = [
     "muon",
     "nadamw",
     "rmsprop",
+    "mars",
+    "scale_by_mars",
+    "ScaleByMarsState",
     "scale_by_kron",
     "ADAFACTOR_STATIC_ARGS",
     "precond_update_prob_schedule",
