@@ -1,5 +1,9 @@
 """The Optax drop-in shared by the elementwise optimizers (AdamW, Lion).
 
+Its per-leaf step (`fused_leaf_steps`: kernel or Optax's math per leaf,
+low-bit state checks, random keys) and its low-bit state helpers also serve
+RMSProp and MARS, whose chains keep other state layouts.
+
 Optax builds each of them as the chain::
 
   scale_by_X(b1, b2, ..., mu_dtype)       # state: X's NamedTuple (count, moments...)
@@ -59,6 +63,7 @@ __all__ = [
     "moment_value",
     "is_quantized",
     "moment_arrays",
+    "momentum_bits",
     "check_seed",
     "fused_leaf_steps",
 ]
@@ -130,6 +135,19 @@ def _check_hyperparameters(
   for name, value in nonnegative.items():
     v.check_hyperparameter(owner, name, value)
   v.check_hyperparameter(owner, "weight_decay", weight_decay)
+
+
+def momentum_bits(
+    state_format: str | None, seed: Any, count: jax.Array, leaf: int, shape: tuple[int, ...]
+) -> jax.Array | None:
+  """Random bits for a bf16 momentum re-encoded in XLA (Muon, Adafactor), else None.
+
+  The momentum's stream (1) of leaf ``leaf`` at step ``count``, as the
+  fused kernels draw it for their first moment.
+  """
+  if state_format != "bf16":
+    return None
+  return quant.random_bits(quant.leaf_key(seed, count, leaf), quant.element_index(shape), 1)
 
 
 def moment_arrays(tree: Any) -> Any:

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 
 from pallasopt.kernels import adafactor as adafactor_kernels
-from pallasopt.kernels import quant
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.kernels._elementwise import store_moment
 from pallasopt.optim import _validation as v
@@ -19,6 +18,7 @@ from pallasopt.optim._elementwise_tx import (
     is_quantized,
     moment_arrays,
     moment_value,
+    momentum_bits,
     stored_moment,
 )
 from pallasopt.optim._base import (
@@ -316,10 +316,8 @@ def adafactor(
         )
       m32 = moment_value(m, signed=True).astype(jnp.float32)
       first, *stats, new_m = leaf_step(index, path, p, g, vr, vc, vf, m32, d)
-      bits = None
-      if state_format == "bf16":
-        key = quant.leaf_key(seed, optax.safe_increment(factored_state.count), index)
-        bits = quant.random_bits(key, quant.element_index(jnp.shape(g)), 1)
+      bits = momentum_bits(
+          state_format, seed, optax.safe_increment(factored_state.count), index, jnp.shape(g))
       return (first, *stats, store_moment(new_m, m, signed=True, bits=bits))
 
     def leaf_step(index, path, p, g, vr, vc, vf, m, d):

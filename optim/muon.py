@@ -41,7 +41,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, MuonState
 from optax.contrib import _muon as _optax_muon  # its orthogonalization, for f64/complex
 
-from pallasopt.kernels import _compat, quant
+from pallasopt.kernels import _compat
 from pallasopt.kernels import newton_schulz as ns
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.kernels._elementwise import store_moment
@@ -53,6 +53,7 @@ from pallasopt.optim._elementwise_tx import (
     is_quantized,
     moment_arrays,
     moment_value,
+    momentum_bits,
     stored_moment,
 )
 from pallasopt.optim.adamw import adamw
@@ -619,10 +620,7 @@ def muon(
       hat = beta * corrected(m_new, count + 1) + (1 - beta) * corrected(g32, count)
     else:
       hat = corrected(m_new, count)
-    bits = None
-    if state_format == "bf16":
-      key = quant.leaf_key(seed, count, leaf)
-      bits = quant.random_bits(key, quant.element_index(jnp.shape(g)), 1)
+    bits = momentum_bits(state_format, seed, count, leaf, jnp.shape(g))
     return hat.astype(dtype), store_moment(m_new, m, signed=True, bits=bits)
 
   def scale_vector(layout: _Layout, spec: _Spec, parts):

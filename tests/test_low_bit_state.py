@@ -458,3 +458,31 @@ def test_low_bit_state_needs_float32_or_bfloat16_grads():
     tx.update(grads, tx.init(params), params)
   # Optax's own state (bf16 with mu_dtype) is still accepted alongside.
   assert pallasopt.optim.adamw(1e-3, state_format="bf16", mu_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["multisteps", "inject", "masked", "chain", "apply_if_finite"])
+def test_low_bit_state_composes_like_optax_state(name):
+  # Optax's wrappers treat an Int8Blockwise as any other state subtree: the
+  # wrapped step equals the bare one where the wrapper is transparent.
+  params = {"w": _params()["w"], "b": _params()["b"]}
+  grads = _grads(params, 0)
+  bare = pallasopt.optim.adamw(1e-3, state_format="int8", param_rounding="stochastic", seed=3)
+  wrapped = {
+      "multisteps": lambda: optax.MultiSteps(bare, 1),
+      "inject": lambda: optax.inject_hyperparams(pallasopt.optim.adamw)(
+          learning_rate=1e-3, state_format="int8", param_rounding="stochastic", seed=3),
+      "masked": lambda: optax.masked(bare, {"w": True, "b": True}),
+      "chain": lambda: optax.chain(optax.identity(), bare),
+      "apply_if_finite": lambda: optax.apply_if_finite(bare, 3),
+  }[name]()
+  want, _ = jax.jit(bare.update)(grads, bare.init(params), params)
+  state = wrapped.init(params)
+  got, state = jax.jit(wrapped.update)(grads, state, params)
+  if name == "inject":
+    # Injected b1, b2 are f32 arrays, so 1 - b2 is rounded after b2 (as in
+    # Optax): up to ulp(1) / (1 - b2) = 6e-5 relative in nu, half in u.
+    for k in params:
+      assert_close(got[k], want[k], 1e-4, k)
+  else:
+    _assert_same(got, want, name)
+  jax.jit(wrapped.update)(grads, state, params)  # the stepped state steps again
