@@ -145,6 +145,31 @@ def _mesh_axes(mesh: Mesh, axis_names: Sequence[str] | None) -> tuple[str, ...]:
   return names
 
 
+def _context_mesh(owner: str, mesh: Mesh | None) -> Mesh:
+  """``mesh``, or the mesh of the enclosing ``jax.set_mesh`` / ``with mesh:`` block.
+
+  eFormer's rules and analyzer take ``mesh=None`` to mean the mesh in
+  context; so do ours, and say so when there is none.
+  """
+  if mesh is not None:
+    if not isinstance(mesh, Mesh):
+      raise TypeError(f"{owner}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    return mesh
+  current = jax.sharding.get_mesh()
+  if current.empty:
+    # `with mesh:` (deprecated, still what eFormer's examples use) sets only
+    # the legacy thread resources.
+    from jax._src import mesh as mesh_lib  # noqa: PLC0415
+
+    current = mesh_lib.thread_resources.env.physical_mesh
+  if current.empty:
+    raise ValueError(
+        f"{owner}: mesh=None takes the mesh in context, and none is active; pass mesh= or "
+        "call inside `with jax.set_mesh(mesh):`."
+    )
+  return current
+
+
 def named_shardings(mesh: Mesh, specs: PyTree) -> PyTree:
   """Wraps every `PartitionSpec` of `specs` in a `NamedSharding` on `mesh`.
 
@@ -197,7 +222,8 @@ class AutoShardingRule(ShardingRule):
   most one dim; axes of size 1 are skipped since they shard nothing.
 
   Attributes:
-    mesh: the device mesh.
+    mesh: the device mesh (None: the mesh in context, as eFormer's escale
+      rule takes it).
     axis_names: the mesh axes to use, in order of preference (default: all, in
       mesh order).
     min_shard_size: leaves with fewer elements stay replicated (default: the
@@ -206,12 +232,13 @@ class AutoShardingRule(ShardingRule):
     reverse: offer the axes in reverse order (the last axis to the largest dim).
   """
 
-  mesh: Mesh
+  mesh: Mesh | None = None
   axis_names: Sequence[str] | None = None
   min_shard_size: int | None = None
   reverse: bool = False
 
   def __post_init__(self):
+    object.__setattr__(self, "mesh", _context_mesh("AutoShardingRule", self.mesh))
     object.__setattr__(self, "axis_names", _mesh_axes(self.mesh, self.axis_names))
     if self.min_shard_size is None:
       object.__setattr__(self, "min_shard_size", self.mesh.size)
@@ -248,12 +275,23 @@ class ShapeBasedShardingRule(ShardingRule):
   Attributes:
     patterns: ``(pattern, spec)`` pairs in order of priority, or a mapping
       from pattern to spec (its insertion order is the priority).
+    shape_patterns: the same, under eFormer's name; give one of the two.
   """
 
-  patterns: Sequence[tuple[ShapePattern, PartitionSpec]] | Mapping[ShapePattern, PartitionSpec]
+  patterns: (
+      Sequence[tuple[ShapePattern, PartitionSpec]] | Mapping[ShapePattern, PartitionSpec] | None
+  ) = None
+  shape_patterns: Mapping[ShapePattern, PartitionSpec] | None = None
 
   def __post_init__(self):
-    pairs = tuple(self.patterns.items() if isinstance(self.patterns, Mapping) else self.patterns)
+    if (self.patterns is None) == (self.shape_patterns is None):
+      raise TypeError(
+          "ShapeBasedShardingRule: give exactly one of patterns and shape_patterns (eFormer's"
+          " name for it)."
+      )
+    patterns = self.shape_patterns if self.patterns is None else self.patterns
+    object.__setattr__(self, "shape_patterns", None)
+    pairs = tuple(patterns.items() if isinstance(patterns, Mapping) else patterns)
     for i, (pattern, spec) in enumerate(pairs):
       if not isinstance(pattern, tuple) or not all(
           item is None or (isinstance(item, int) and item >= 0) for item in pattern
@@ -290,19 +328,33 @@ class MemoryConstrainedShardingRule(ShardingRule):
   it.
 
   Attributes:
-    mesh: the device mesh.
+    mesh: the device mesh (None: the mesh in context).
     max_bytes_per_device: the budget for one leaf's shard, in bytes.
     axis_names: the mesh axes that may be used (default: all).
     strict: when no valid spec fits, raise ValueError (True) or warn and
       return the spec with the smallest shard (False).
+    max_memory_per_device: eFormer's name for ``max_bytes_per_device``; give
+      one of the two (eFormer's positional order, budget first, is not
+      accepted: pass it by keyword).
   """
 
-  mesh: Mesh
-  max_bytes_per_device: int
+  mesh: Mesh | None = None
+  max_bytes_per_device: int | None = None
   axis_names: Sequence[str] | None = None
   strict: bool = True
+  max_memory_per_device: int | None = None
 
   def __post_init__(self):
+    owner = "MemoryConstrainedShardingRule"
+    if (self.max_bytes_per_device is None) == (self.max_memory_per_device is None):
+      raise TypeError(
+          f"{owner}: give exactly one of max_bytes_per_device and max_memory_per_device"
+          " (eFormer's name for it)."
+      )
+    if self.max_bytes_per_device is None:
+      object.__setattr__(self, "max_bytes_per_device", self.max_memory_per_device)
+    object.__setattr__(self, "max_memory_per_device", None)
+    object.__setattr__(self, "mesh", _context_mesh(owner, self.mesh))
     object.__setattr__(self, "axis_names", _mesh_axes(self.mesh, self.axis_names))
     if self.max_bytes_per_device < 0:
       raise ValueError(f"max_bytes_per_device must be >= 0, got {self.max_bytes_per_device}.")
@@ -708,12 +760,32 @@ class MemoryEstimate(NamedTuple):
 
 
 class ShardingAnalyzer:
-  """Checks partition specs against a mesh and counts bytes per device."""
+  """Checks partition specs against a mesh and counts bytes per device.
 
-  def __init__(self, mesh: Mesh):
-    if not isinstance(mesh, Mesh):
-      raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    self.mesh = mesh
+  ``mesh=None`` takes the mesh in context. `validate_partition_specs` and
+  `estimate_memory_usage` are eFormer's (escale's) names and return types for
+  `validate` and `estimate_memory`, with our checks.
+  """
+
+  def __init__(self, mesh: Mesh | None = None):
+    self.mesh = _context_mesh("ShardingAnalyzer", mesh)
+
+  def validate_partition_specs(self, pytree: PyTree, partition_specs: PyTree) -> list[str]:
+    """Every problem `validate` would raise for, as a list (empty: all valid)."""
+    try:
+      self.validate(pytree, partition_specs)
+    except ValueError as e:
+      first, *problems = str(e).split("\n  ")
+      return problems or [first]
+    return []
+
+  def estimate_memory_usage(self, pytree: PyTree, partition_specs: PyTree) -> dict[str, int]:
+    """``{"total_size": bytes, "size_per_device": bytes}`` of ``pytree`` so sharded.
+
+    Raises ValueError for invalid specs, as `validate` does.
+    """
+    total, per_device = self._bytes(self._checked(pytree, partition_specs, "tree"))
+    return {"total_size": total, "size_per_device": per_device}
 
   def validate(self, shapes: PyTree, specs: PyTree, *, name: str = "tree") -> None:
     """Raises ValueError listing every spec that does not fit its leaf.

@@ -6,6 +6,7 @@ Runs on the 8 fake CPU devices that conftest.py requests.
 import itertools
 import math
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -482,3 +483,38 @@ def test_barrier_sync_with_several_processes(monkeypatch):
   monkeypatch.setattr(sharding.multihost_utils, "sync_global_devices", broken)
   with pytest.raises(RuntimeError, match="peer died"):
     barrier_sync("broken", timeout=5.0)
+
+
+def test_eformer_escale_names_and_the_mesh_in_context():
+  # eFormer's escale spellings: mesh=None takes the mesh in context,
+  # max_memory_per_device / shape_patterns keywords, and the analyzer's
+  # validate_partition_specs / estimate_memory_usage; our rules and checks.
+  mesh = make_mesh((2, 4), ("a", "b"))
+  leaf = {"w": sds(8, 64), "tiny": sds(3)}
+  specs = AutoShardingRule(mesh).apply(leaf)
+  for context in (lambda: jax.set_mesh(mesh), lambda: mesh):  # `with mesh:` is eFormer's way
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      with context():
+        assert AutoShardingRule().apply(leaf) == specs
+        assert AutoShardingRule(None, None, None, False).apply(leaf) == specs
+        by_memory = MemoryConstrainedShardingRule(max_memory_per_device=256).apply(leaf)
+        assert by_memory == MemoryConstrainedShardingRule(mesh, 256).apply(leaf)
+        analyzer = ShardingAnalyzer()
+  rule = ShapeBasedShardingRule(shape_patterns={(None, 64): P(None, "b")})
+  assert rule.apply(leaf) == {"w": P(None, "b"), "tiny": P()}
+  assert analyzer.validate_partition_specs(leaf, specs) == []
+  bad = {"w": P("b", "b"), "tiny": P("a")}
+  problems = analyzer.validate_partition_specs(leaf, bad)
+  assert len(problems) == 2, problems
+  assert "used twice" in problems[1] and "not divisible" in problems[0], problems
+  usage = analyzer.estimate_memory_usage(leaf, specs)
+  assert usage == {"total_size": (8 * 64 + 3) * 4, "size_per_device": 8 * 64 * 4 // 8 + 3 * 4}
+  with pytest.raises(ValueError, match="none is active"):
+    AutoShardingRule()
+  with pytest.raises(TypeError, match="exactly one of max_bytes_per_device"):
+    MemoryConstrainedShardingRule(mesh)
+  with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+    MemoryConstrainedShardingRule(1024, mesh)  # eFormer's positional order
+  with pytest.raises(TypeError, match="exactly one of patterns and shape_patterns"):
+    ShapeBasedShardingRule()
