@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from pallasopt.kernels._dispatch import resolve_impl
+from pallasopt.kernels.quant import Int8Blockwise
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import FusedGradientTransformation
 from pallasopt.optim.configs import (
@@ -196,7 +197,10 @@ class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
     Args:
       params: this stage's params.
       grads: their gradients, with the structure of `params`; a None leaf
-        (or subtree) is a zero gradient, and its state still advances.
+        (or subtree) freezes those params: they and their optimizer state
+        (moments, statistics, accumulators) come back untouched, as in
+        eFormer; step counters still advance, and the leaf counts as a zero
+        gradient in the clip's global norm.
       opt_state: this transform's state for `params` (from ``init``,
         ``update`` or earlier calls).
       learning_rate_fn: a schedule evaluated at the optimizer's step count
@@ -373,6 +377,58 @@ def _grads_or_zeros(params: Any, grads: Any) -> Any:
   return filled
 
 
+def _frozen_leaves(params: Any, grads: Any) -> list[bool]:
+  """Per param leaf, whether its gradient (or a subtree above it) is None."""
+  flags = jax.tree.map(
+      lambda g, p: jax.tree.map(lambda _: g is None, p), grads, params, is_leaf=_is_none
+  )
+  return jax.tree.leaves(flags)
+
+
+def _per_param_entries(node: Any, params_def: Any) -> list[Any] | None:
+  """``node``'s entries, one per param, if it is stored per param; else None.
+
+  Per param means the params' structure with one leaf per param (an array,
+  an 8-bit moment, an ``optax.MaskedNode``), or one list of arrays per param
+  (Kron's factors): what `pipeline.sharding.optimizer_state_specs` matches.
+  """
+  entry = lambda x: isinstance(x, (optax.MaskedNode, Int8Blockwise))
+  if jax.tree.structure(node, is_leaf=entry) == params_def:
+    return jax.tree.leaves(node, is_leaf=entry)
+  if jax.tree_util.treedef_is_leaf(params_def):
+    return None
+  try:
+    entries = params_def.flatten_up_to(node)
+  except (ValueError, TypeError):
+    return None
+  factors = lambda e: type(e) in (list, tuple) and e and all(hasattr(f, "shape") for f in e)
+  if any(map(factors, entries)) and all(factors(e) or entry(e) for e in entries):
+    return entries
+  return None
+
+
+def _keep_frozen(new: Any, old: Any, params_def: Any, frozen: list[bool]) -> Any:
+  """``new`` with the parts that belong to frozen params taken from ``old``.
+
+  Walks the tree from the root: a node stored per param keeps ``old``'s
+  entry for each frozen param; every other leaf (counters, hyperparameters)
+  keeps ``new``'s.
+  """
+  entries = _per_param_entries(new, params_def)
+  if entries is not None:
+    olds = _per_param_entries(old, params_def)
+    return params_def.unflatten(
+        [o if f else n for n, o, f in zip(entries, olds, frozen, strict=True)]
+    )
+  if jax.tree_util.treedef_is_leaf(jax.tree.structure(new)):
+    return new
+  children, node_def = jax.tree_util.tree_flatten(new, is_leaf=lambda x: x is not new)
+  old_children = node_def.flatten_up_to(old)
+  return node_def.unflatten(
+      [_keep_frozen(n, o, params_def, frozen) for n, o in zip(children, old_children, strict=True)]
+  )
+
+
 def _schedule_count(state: Any):
   """The optimizer's step count: the first ``count`` field of its state."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -478,7 +534,8 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
   that layout (``clip_grad``, ``gradient_accumulation_steps``), as
   `create_optimizer` builds it. Per call:
 
-  1. None grads become zeros.
+  1. None grads become zeros for the step; afterwards their params and
+     per-param state are put back (frozen leaves, `_keep_frozen`).
   2. With accumulation, ``acc += (g - acc) / (mini_step + 1)`` (Optax's
      running mean, in the accumulator's dtype); only every k-th call goes on.
   3. With ``clip_grad``, the global norm comes from ``global_grad_norm`` or
@@ -527,6 +584,7 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
           "this step computes; pass axis_name instead."
       )
     full_grads = _grads_or_zeros(params, grads)
+    frozen = _frozen_leaves(params, grads)
     chain_state = _chain_states(opt_state, metadata)
     clip = metadata.clip_grad or None
     layer_index = (
@@ -547,6 +605,10 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
       new_params, new_state = step(params, full_grads, chain_state)
     else:
       new_params, new_state = _accumulate_then(step, k, params, full_grads, opt_state)
+    if any(frozen):
+      treedef = jax.tree.structure(params)
+      new_params = _keep_frozen(new_params, params, treedef, frozen)
+      new_state = _keep_frozen(new_state, opt_state, treedef, frozen)
     if delete_grads:
       _delete_arrays(grads)
     return new_params, new_state

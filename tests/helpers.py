@@ -208,3 +208,15 @@ def digits_mlp(hidden: int):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   return init, loss
+
+
+def frozen_at(got, init, keys):
+  """`got` with every leaf under the dict keys `keys` (a param's own entries
+  in params and state alike) replaced by `init`'s: what a None gradient
+  leaves untouched in the stage-local path."""
+  def pick(path, g, i):
+    names = [getattr(k, "key", None) for k in path]
+    under = any(names[j:j + len(keys)] == list(keys) for j in range(len(names)))
+    return i if under else g
+
+  return jax.tree_util.tree_map_with_path(pick, got, init)

@@ -17,7 +17,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from helpers import assert_trees_close, step_grads
+from helpers import assert_trees_close, frozen_at, step_grads
 from pallasopt.kernels import _compat
 from pallasopt.optim import configs
 from pallasopt.optim._base import FusedGradientTransformation
@@ -87,8 +87,11 @@ def _zeros_at(grads, none_path):
 def _trajectories(tx, ref_tx, params, steps, *, learning_rate_fn=None, none_path=None):
   """(stage-local run of `tx`, Optax run of `ref_tx`) from the same grads.
 
-  The leaf at `none_path` gets a None gradient on the stage-local path and
-  zeros on the Optax path. Both runs are scans in one jit: one compilation.
+  The leaf at `none_path` gets a None gradient on the stage-local path,
+  which freezes it (eFormer's rule), and zeros on the Optax path, whose
+  result for that leaf's params and state is then replaced by their initial
+  values (a zero gradient changes no other leaf: the clip's norm is the
+  same). Both runs are scans in one jit: one compilation.
   """
 
   def stage_local(carry, i):
@@ -107,7 +110,10 @@ def _trajectories(tx, ref_tx, params, steps, *, learning_rate_fn=None, none_path
   def run(params):
     steps_ = jnp.arange(steps, dtype=jnp.float32)
     got, _ = jax.lax.scan(stage_local, (params, tx.init(params)), steps_)
-    want, _ = jax.lax.scan(optax_step, (params, ref_tx.init(params)), steps_)
+    init = (params, ref_tx.init(params))
+    want, _ = jax.lax.scan(optax_step, init, steps_)
+    if none_path:
+      want = frozen_at(want, init, none_path)
     return got, want
 
   return run(params)
