@@ -32,7 +32,12 @@ from pallasopt.kernels.quant import Int8Blockwise
 from pallasopt.optim._base import FusedGradientTransformation, apply_gradients
 from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
 from pallasopt.optim.adamw import adamw, nadamw
-from pallasopt.optim.configs import create_scheduler
+from pallasopt.optim.configs import (
+    MarsConfig,
+    RMSPropConfig,
+    SerializationMixin,
+    create_scheduler,
+)
 from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_schedule, scale_by_kron
 from pallasopt.optim.lion import lion
 from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
@@ -92,7 +97,10 @@ __all__ = [
     "AdamWConfig",
     "KronConfig",
     "LionConfig",
+    "MarsConfig",
     "MuonConfig",
+    "RMSPropConfig",
+    "SerializationMixin",
     "SchedulerConfig",
     "StageLocalGradientTransformation",
     "StageLocalOptimizerMetadata",

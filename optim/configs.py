@@ -6,6 +6,12 @@ eFormer builds the same optimizer here, backed by pallasopt's fused kernels.
 `pallasopt.optim.stage_local.create_optimizer` turns a registered name and its
 config into a (stage-local) Optax transform and its learning-rate schedule.
 
+Configs are mutable dataclasses with eFormer's serialization (`SerializationMixin`:
+``to_dict``, ``from_dict``, ``to_json``, ``from_json``): a dict eFormer's
+``to_dict()`` writes loads with our ``from_dict`` (keys a config does not have
+are ignored with a warning, as eFormer does), and ``to_json`` writes dtypes by
+name where eFormer's ``json.dumps`` fails on them.
+
 A config holds only the optimizer's own hyperparameters; the learning rate
 comes from a `SchedulerConfig`, and weight decay, its mask, gradient clipping,
 accumulation and ``stacked_axes`` are arguments of ``create_optimizer``.
@@ -17,15 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 __all__ = [
+    "SerializationMixin",
     "AdamWConfig",
+    "RMSPropConfig",
+    "MarsConfig",
     "LionConfig",
     "AdafactorConfig",
     "MuonConfig",
@@ -42,11 +54,56 @@ __all__ = [
 _OWNER = "pallasopt.optim.configs"
 
 
+# ---- Serialization (eFormer's SerializationMixin). ----
+
+
+def _json_value(value: Any) -> Any:
+  """A field value JSON can hold: dtypes (classes or objects) by name."""
+  if isinstance(value, type) or isinstance(value, np.dtype):
+    try:
+      return np.dtype(value).name
+    except TypeError:
+      pass
+  raise TypeError(f"{type(value).__name__} {value!r} is not JSON serializable.")
+
+
+class SerializationMixin:
+  """eFormer's config serialization: dicts and JSON.
+
+  ``to_dict`` gives every public field as it is (dtypes stay dtypes);
+  ``from_dict`` builds the config from such a dict, ignoring keys the
+  config does not have with a warning naming them (eFormer's behaviour);
+  ``to_json`` / ``from_json`` go through JSON, dtypes by name
+  (``"bfloat16"``), which every dtype field accepts.
+  """
+
+  def to_dict(self) -> dict[str, Any]:
+    return {
+        f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+        if not f.name.startswith("_")
+    }
+
+  @classmethod
+  def from_dict(cls, data: dict[str, Any]):
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(data) - names)
+    if extra:
+      warnings.warn(f"Ignoring unexpected keys {extra} for {cls.__name__}.", stacklevel=2)
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, default=_json_value)
+
+  @classmethod
+  def from_json(cls, text: str):
+    return cls.from_dict(json.loads(text))
+
+
 # ---- Optimizer configs. ----
 
 
-@dataclasses.dataclass(frozen=True)
-class AdamWConfig:
+@dataclasses.dataclass
+class AdamWConfig(SerializationMixin):
   """Hyperparameters of `pallasopt.optim.adamw` (as ``optax.adamw``).
 
   Attributes:
@@ -72,8 +129,8 @@ class AdamWConfig:
   seed: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class LionConfig:
+@dataclasses.dataclass
+class LionConfig(SerializationMixin):
   """Hyperparameters of `pallasopt.optim.lion` (as ``optax.lion``).
 
   Attributes:
@@ -93,8 +150,62 @@ class LionConfig:
   seed: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class AdafactorConfig:
+@dataclasses.dataclass
+class RMSPropConfig(SerializationMixin):
+  """Hyperparameters of `pallasopt.optim.rmsprop`, eFormer's fields and defaults.
+
+  eFormer builds ``optax.rmsprop(centered=False)`` from these; the extra
+  fields (after eFormer's) are `pallasopt.optim.rmsprop`'s.
+
+  Attributes:
+    decay: decay of the moving average of squared gradients.
+    initial_scale: initial value of that average.
+    momentum: decay of the momentum trace (None: no momentum).
+    nesterov: Nesterov momentum.
+    eps: added inside the square root.
+    centered: subtract the squared mean gradient (not in eFormer's).
+    state_format: storage of the state: None, ``"bf16"`` or ``"int8"``.
+    seed: seed of the stochastic roundings (None: 0).
+  """
+
+  decay: float = 0.9
+  initial_scale: float = 0.0
+  momentum: float | None = None
+  nesterov: bool = False
+  eps: float = 1e-8
+  centered: bool = False
+  state_format: str | None = None
+  seed: int | None = None
+
+
+@dataclasses.dataclass
+class MarsConfig(SerializationMixin):
+  """Hyperparameters of `pallasopt.optim.mars`, under eFormer's field names.
+
+  eFormer's builder passes ``beta1``, ``beta2``, ``gamma``, ``epsilon`` and
+  ``max_grad_norm`` to ``mars`` as ``b1``, ``b2``, ``gamma``, ``eps`` and
+  ``max_grad_norm``; its ``weight_decay`` field is not read by that builder.
+
+  Attributes:
+    weight_decay: eFormer's field (unused by its builder).
+    beta1: decay of the first moment.
+    beta2: decay of the second moment.
+    gamma: strength of the variance reduction.
+    epsilon: added to the denominator.
+    max_grad_norm: global-norm clip of the variance-reduced gradient (None
+      or 0: off).
+  """
+
+  weight_decay: float = 0.1
+  beta1: float = 0.95
+  beta2: float = 0.99
+  gamma: float = 0.025
+  epsilon: float = 1e-8
+  max_grad_norm: float | None = 1.0
+
+
+@dataclasses.dataclass
+class AdafactorConfig(SerializationMixin):
   """Hyperparameters of `pallasopt.optim.adafactor` (as ``optax.adafactor``).
 
   ``weight_decay_rate`` is eFormer's field; set it or ``create_optimizer``'s
@@ -130,8 +241,8 @@ class AdafactorConfig:
   seed: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class MuonConfig:
+@dataclasses.dataclass
+class MuonConfig(SerializationMixin):
   """Hyperparameters of `pallasopt.optim.muon` (as ``optax.contrib.muon``).
 
   ``weight_decay`` and ``weight_decay_mask`` (eFormer's fields) decay the
@@ -175,8 +286,8 @@ class MuonConfig:
   seed: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class KronConfig:
+@dataclasses.dataclass
+class KronConfig(SerializationMixin):
   """Hyperparameters of `pallasopt.optim.kron` (as psgd_jax's ``kron``).
 
   A field left at None is not passed, so the optimizer's own default applies
@@ -221,8 +332,8 @@ def _is_int(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
+@dataclasses.dataclass
+class SchedulerConfig(SerializationMixin):
   """A learning-rate schedule, as eFormer's ``SchedulerConfig`` describes it.
 
   ``scheduler_type`` names a registered scheduler: None or ``"constant"``
@@ -261,6 +372,11 @@ class SchedulerConfig:
   exponent: float = 1.0
 
   def __post_init__(self):
+    self.check()
+
+  def check(self) -> None:
+    """Raises ValueError for an inconsistent config (also run by `create_scheduler`,
+    since the config is mutable, as eFormer's is)."""
     where = f"{_OWNER}.SchedulerConfig"
     if not isinstance(self.learning_rate, (int, float)) or not math.isfinite(self.learning_rate):
       raise ValueError(
@@ -398,6 +514,7 @@ def create_scheduler(config: SchedulerConfig) -> optax.Schedule:
     raise TypeError(
         f"{_OWNER}: scheduler_config must be a SchedulerConfig; got {type(config).__name__}."
     )
+  config.check()
   name = config.scheduler_type or "constant"
   if name not in _SCHEDULERS:
     raise ValueError(

@@ -1,0 +1,76 @@
+"""Configs: eFormer's fields, mutability and serialization (`SerializationMixin`)."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from pallasopt import optim
+
+CONFIGS = [
+    optim.AdamWConfig, optim.LionConfig, optim.AdafactorConfig, optim.MuonConfig,
+    optim.KronConfig, optim.RMSPropConfig, optim.MarsConfig, optim.SchedulerConfig,
+]
+
+# eFormer 0.0.101's fields, in order, with their defaults (eformer/optimizers/_config.py);
+# ours may only add fields after them.
+EFORMER_FIELDS = {
+    optim.AdamWConfig: dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None),
+    optim.LionConfig: dict(b1=0.9, b2=0.99, mu_dtype=None),
+    optim.RMSPropConfig: dict(decay=0.9, initial_scale=0.0, momentum=None, nesterov=False,
+                              eps=1e-8),
+    optim.MarsConfig: dict(weight_decay=0.1, beta1=0.95, beta2=0.99, gamma=0.025, epsilon=1e-8,
+                           max_grad_norm=1.0),
+    optim.AdafactorConfig: dict(
+        min_dim_size_to_factor=128, decay_rate=0.8, decay_offset=0,
+        multiply_by_parameter_scale=True, clipping_threshold=1.0, momentum=None,
+        dtype_momentum=jnp.float32, weight_decay_rate=None, eps=1e-30, factored=True),
+    optim.SchedulerConfig: dict(scheduler_type=None, learning_rate=5e-5, learning_rate_end=None,
+                                warmup_steps=None, steps=None, exponent=1.0),
+}
+
+
+@pytest.mark.parametrize("cls", list(EFORMER_FIELDS), ids=lambda c: c.__name__)
+def test_eformer_fields_come_first_with_its_defaults(cls):
+  fields = dataclasses.fields(cls)
+  want = EFORMER_FIELDS[cls]
+  assert [f.name for f in fields[: len(want)]] == list(want)
+  assert {f.name: f.default for f in fields[: len(want)]} == want
+
+
+@pytest.mark.parametrize("cls", CONFIGS, ids=lambda c: c.__name__)
+def test_dict_and_json_round_trips(cls):
+  config = cls() if cls is not optim.SchedulerConfig else cls("cosine", 1e-3, steps=100)
+  assert cls.from_dict(config.to_dict()) == config
+  text = config.to_json()
+  json.loads(text)  # plain JSON: dtypes are written by name
+  again = cls.from_json(text)
+  assert again.to_json() == text
+
+
+def test_eformer_dicts_load_and_unknown_keys_warn():
+  # What eFormer's to_dict() gives: dtype classes as they are, maybe keys we lack.
+  eformer = {"b1": 0.8, "b2": 0.95, "eps": 1e-6, "eps_root": 0.0, "mu_dtype": jnp.bfloat16}
+  assert optim.AdamWConfig.from_dict(eformer) == optim.AdamWConfig(
+      b1=0.8, b2=0.95, eps=1e-6, mu_dtype=jnp.bfloat16)
+  with pytest.warns(UserWarning, match=r"Ignoring unexpected keys \['foo'\] for LionConfig"):
+    assert optim.LionConfig.from_dict({"b1": 0.5, "foo": 1}) == optim.LionConfig(b1=0.5)
+  adafactor = optim.AdafactorConfig(momentum=0.9, dtype_momentum=jnp.bfloat16)
+  assert json.loads(adafactor.to_json())["dtype_momentum"] == "bfloat16"
+  # A JSON dtype name builds the same optimizer state as the dtype.
+  params = {"w": jnp.ones((4, 4))}
+  from_json = optim.AdafactorConfig.from_json(adafactor.to_json())
+  build = lambda c: optim.adafactor(1e-3, momentum=c.momentum, dtype_momentum=c.dtype_momentum)
+  assert build(from_json).init(params)[-2].ema["w"].dtype == jnp.bfloat16
+
+
+def test_configs_are_mutable_and_rechecked_when_used():
+  config = optim.AdamWConfig()
+  config.b2 = 0.95
+  tx, _ = optim.create_optimizer("adamw", config, impl="xla")
+  assert tx.metadata.optimizer_config.b2 == 0.95
+  schedule = optim.SchedulerConfig("linear", 1e-3, learning_rate_end=0.0, steps=10)
+  schedule.warmup_steps = 20
+  with pytest.raises(ValueError, match=r"warmup_steps \(20\) must be less than steps \(10\)"):
+    optim.create_scheduler(schedule)
