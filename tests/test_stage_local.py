@@ -301,17 +301,18 @@ def test_create_optimizer_records_its_metadata():
 
 def test_schedules_are_eformers():
   steps = jnp.arange(12)
-  expected = {
-      SchedulerConfig(learning_rate=3e-4): optax.constant_schedule(3e-4),
-      SchedulerConfig("linear", 1e-2, 1e-3, warmup_steps=3, steps=10): optax.join_schedules(
-          [optax.linear_schedule(1e-8, 1e-2, 3), optax.linear_schedule(1e-2, 1e-3, 7)], [3]),
-      SchedulerConfig("linear", 1e-2, 1e-3, steps=10): optax.linear_schedule(1e-2, 1e-3, 10),
-      SchedulerConfig("cosine", 1e-2, 1e-3, warmup_steps=3, steps=10, exponent=2.0):
-          optax.warmup_cosine_decay_schedule(1e-8, 1e-2, 3, 10, 1e-3, exponent=2.0),
-      SchedulerConfig("cosine", 1e-2, 1e-3, steps=10): optax.cosine_decay_schedule(1e-2, 10, 0.1),
-      SchedulerConfig("cosine", 1e-2, steps=10): optax.cosine_decay_schedule(1e-2, 10),
-  }
-  for config, schedule in expected.items():
+  # (config, schedule) pairs: configs are mutable, so not dict keys.
+  expected = [
+      (SchedulerConfig(learning_rate=3e-4), optax.constant_schedule(3e-4)),
+      (SchedulerConfig("linear", 1e-2, 1e-3, warmup_steps=3, steps=10), optax.join_schedules(
+          [optax.linear_schedule(1e-8, 1e-2, 3), optax.linear_schedule(1e-2, 1e-3, 7)], [3])),
+      (SchedulerConfig("linear", 1e-2, 1e-3, steps=10), optax.linear_schedule(1e-2, 1e-3, 10)),
+      (SchedulerConfig("cosine", 1e-2, 1e-3, warmup_steps=3, steps=10, exponent=2.0),
+       optax.warmup_cosine_decay_schedule(1e-8, 1e-2, 3, 10, 1e-3, exponent=2.0)),
+      (SchedulerConfig("cosine", 1e-2, 1e-3, steps=10), optax.cosine_decay_schedule(1e-2, 10, 0.1)),
+      (SchedulerConfig("cosine", 1e-2, steps=10), optax.cosine_decay_schedule(1e-2, 10)),
+  ]
+  for config, schedule in expected:
     _, got = create_optimizer("adamw", scheduler_config=config)
     np.testing.assert_allclose(jax.vmap(got)(steps), jax.vmap(schedule)(steps), rtol=1e-6,
                                err_msg=str(config))
