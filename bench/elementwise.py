@@ -62,9 +62,16 @@ class ElementwiseFamily:
   Attributes:
     name: the family name, e.g. ``"lion"``.
     moments: state leaves per parameter (AdamW: 2, Lion: 1).
-    optax_factory: e.g. ``optax.lion``; takes ``mu_dtype`` and ``mask``.
+    optax_factory: e.g. ``optax.lion``; takes the `options`.
     pallasopt_factory: the drop-in; also takes ``impl``.
     hyperparams: the arguments both factories get.
+    options: which of ``mu_dtype`` (the first moment's dtype) and ``mask``
+      (weight decay's) the factories take; a family without ``mask`` never
+      decays, and one without ``mu_dtype`` gets no mixed-dtype cases.
+    baseline: the name of the baseline rows (``"optax"``; for a family
+      Optax lacks, its own reference chain, e.g. ``"eformer-xla"``).
+    low_bit: whether the family gets low-bit state cases (its state
+      converts with `pallasopt.optim.convert_state`).
   """
 
   name: str
@@ -72,6 +79,22 @@ class ElementwiseFamily:
   optax_factory: Callable[..., Any]
   pallasopt_factory: Callable[..., Any]
   hyperparams: dict
+  options: tuple[str, ...] = ("mu_dtype", "mask")
+  baseline: str = "optax"
+  low_bit: bool = True
+
+  def _kwargs(self, mask: Any, mu_dtype: Any = None) -> dict:
+    kwargs = dict(self.hyperparams)
+    if "mask" in self.options:
+      kwargs["mask"] = mask
+    if "mu_dtype" in self.options:
+      kwargs["mu_dtype"] = mu_dtype
+    return kwargs
+
+  def _decays(self, workload: workloads.Workload, mask: Any) -> list[bool]:
+    if "mask" not in self.options:
+      return [False] * workload.leaves
+    return [True] * workload.leaves if mask is None else jax.tree.leaves(mask)
 
   def _state(self, p: jax.ShapeDtypeStruct, mu_dtype) -> list[jax.ShapeDtypeStruct]:
     dtypes = [mu_dtype or p.dtype] + [p.dtype] * (self.moments - 1)
@@ -172,10 +195,10 @@ class ElementwiseFamily:
   def case(self, workload: workloads.Workload, mu_dtype=None) -> harness.Case:
     """The family's case for a workload (``mu_dtype`` as in Optax)."""
     mask = decay_mask(workload)
-    decays = [True] * workload.leaves if mask is None else jax.tree.leaves(mask)
+    decays = self._decays(workload, mask)
     mu = None if mu_dtype is None else jnp.dtype(mu_dtype)
     label = workload.label if mu is None else f"{workload.label}/mu-{mu.name.replace('float', 'f')}"
-    kwargs = dict(self.hyperparams, mu_dtype=mu, mask=mask)
+    kwargs = self._kwargs(mask, mu)
     return harness.optimizer_case(
         family=self.name,
         workload=workload,
@@ -184,19 +207,23 @@ class ElementwiseFamily:
         pallasopt_tx=lambda impl: self.pallasopt_factory(**kwargs, impl=impl),
         bytes=self.fused_bytes(workload.tree, mu),
         update_bytes=self.update_bytes(workload.tree, decays, mu),
-        auto_on_cuda="xla",  # kernels/adamw.py, kernels/lion.py
+        auto_on_cuda="xla",  # kernels._elementwise.cuda_auto for f32/bf16 moments
+        baseline=self.baseline,
     )
 
   def cases(self, tier: str) -> list[harness.Case]:
     """f32 and bf16-params/f32-first-moment leaves over the tier's sizes, then trees."""
     out = []
+    mixed_mu = jnp.float32 if "mu_dtype" in self.options else None
     for size in workloads.leaf_sizes(tier):
       if tier != "ci" or size != 4096:
         out.append(self.case(workloads.leaf(size, "f32")))
       if tier != "ci" or size == 4096:
-        out.append(self.case(workloads.leaf(size, "bf16"), jnp.float32))
+        out.append(self.case(workloads.leaf(size, "bf16"), mixed_mu))
     for w in workloads.for_tier(tier, ("f32", "mixed")):
-      out.append(self.case(w, jnp.float32 if w.label == "mixed" else None))
+      out.append(self.case(w, mixed_mu if w.label == "mixed" else None))
+    if not self.low_bit:
+      return out
     # Low-bit state on f32 leaves of at least 4096 elements and f32 trees.
     low_bit = [workloads.leaf(n, "f32") for n in workloads.leaf_sizes(tier) if n >= 4096]
     low_bit += [w for w in workloads.for_tier(tier, ("f32",)) if w.label == "f32"]

@@ -339,6 +339,7 @@ def optimizer_case(
     compute_dtype: str | None = None,
     prepare_state: Callable[[jax.Array, Any], Any] = randomize_floats,
     auto_on_cuda: str = "pallas",
+    baseline: str = "optax",
 ) -> Case:
   """The standard three-way comparison for an optimizer on a workload.
 
@@ -364,6 +365,8 @@ def optimizer_case(
     compute_dtype: see `Case.compute_dtype`.
     prepare_state: ``(key, state) -> state`` making the initial state.
     auto_on_cuda: see `Case.auto_on_cuda`.
+    baseline: the name of the ``optax_tx`` rows, ``"optax"`` unless the
+      reference is not Optax's (e.g. eFormer's math in XLA).
   """
   specs = workload.tree
 
@@ -374,7 +377,7 @@ def optimizer_case(
     return (params, state), grads
 
   impls = (
-      Impl("optax", lambda kernel_impl: optax_step(optax_tx), pallas=False, bytes=update_bytes),
+      Impl(baseline, lambda kernel_impl: optax_step(optax_tx), pallas=False, bytes=update_bytes),
       Impl("pallasopt.update", lambda k: optax_step(pallasopt_tx(k)), bytes=update_bytes),
       Impl("pallasopt.fused", lambda k: fused_step(pallasopt_tx(k)), bytes=fused_bytes or bytes),
   )
@@ -382,7 +385,7 @@ def optimizer_case(
       family=family, workload=workload.name, label=label or workload.label,
       params=workload.params, leaves=workload.leaves, inputs=inputs, impls=impls,
       bytes=bytes, flops=flops, metric=metric, compute_dtype=compute_dtype,
-      auto_on_cuda=auto_on_cuda,
+      auto_on_cuda=auto_on_cuda, baseline=baseline,
   )
 
 

@@ -144,7 +144,10 @@ def mars(
 
   The state is ``(ScaleByMarsState(count, mu, nu, mog), <lr state>)``, as
   ``optax.chain(scale_by_mars(...), optax.scale_by_learning_rate(lr))``
-  builds it. With ``max_grad_norm`` truthy, one XLA pass over the grads and
+  builds it, and keeps its dtypes from step to step (params and state are
+  updated in place): ``mog`` stays in ``mu_dtype`` where eFormer's (and
+  `scale_by_mars`) store the gradients in their own dtype, which differs
+  only when ``mu_dtype`` differs from the gradients'. With ``max_grad_norm`` truthy, one XLA pass over the grads and
   previous grads first computes the global norm of the variance-reduced
   gradient; the kernels then scale by it.
 

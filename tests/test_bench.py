@@ -16,7 +16,17 @@ import pytest
 
 # `bench/` is a folder at the repository root, not installed; pyproject.toml's
 # `pythonpath = ["."]` makes it importable, as `python -m bench` does.
-from bench import cases_adamw, cases_lion, harness, kernels, plot, trace_cost, workloads
+from bench import (
+    cases_adamw,
+    cases_lion,
+    cases_mars,
+    cases_rmsprop,
+    harness,
+    kernels,
+    plot,
+    trace_cost,
+    workloads,
+)
 from pallasopt.kernels._compat import pl
 
 # Three implementations on a leaf, and the fused path on a stacked mixed-dtype tree.
@@ -252,6 +262,21 @@ def test_adamw_bytes_model_equals_the_kernels_cost_estimates(monkeypatch, worklo
   )
   if workload.label == "f32" or workload.label.startswith("f32/"):
     assert case.bytes == 28 * workload.params  # DESIGN.md: 28 B/param fp32 AdamW
+
+
+@pytest.mark.parametrize("family,per_param", [(cases_rmsprop, 20), (cases_mars, 36)],
+                         ids=["rmsprop", "mars"])
+@pytest.mark.parametrize("workload", [workloads.leaf(4096, "f32"), workloads.for_tier("ci")[0]],
+                         ids=lambda w: w.name)
+def test_rmsprop_and_mars_bytes_models_equal_the_kernels_cost_estimates(
+    monkeypatch, family, per_param, workload
+):
+  case = family.case(workload)
+  carry, grads = jax.eval_shape(case.inputs, jax.random.key(0))
+  impls = {i.name: i for i in case.impls}
+  assert case.baseline in impls and not impls[case.baseline].pallas
+  assert _cost_estimate_bytes(monkeypatch, impls["pallasopt.fused"].build("interpret"), carry,
+                              grads) == case.bytes == per_param * workload.params
 
 
 @pytest.mark.parametrize("family", [cases_adamw, cases_lion], ids=["adamw", "lion"])
