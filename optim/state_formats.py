@@ -1,8 +1,10 @@
 """Converting an optimizer state between storage formats mid-training.
 
 `convert_state` rewrites the moments of every AdamW / NAdamW
-(``optax.ScaleByAdamState``), Lion (``optax.ScaleByLionState``) and Muon
-(``optax.contrib.MuonState``) state inside an optimizer state, wherever it sits (``optax.chain``,
+(``optax.ScaleByAdamState``), Lion (``optax.ScaleByLionState``), Muon
+(``optax.contrib.MuonState``), MARS (`ScaleByMarsState`) and RMSProp
+(``optax.ScaleByRmsState``, ``ScaleByRStdDevState`` and their ``WithCount``
+forms) state inside an optimizer state, wherever it sits (``optax.chain``,
 ``optax.inject_hyperparams``, ``optax.MultiSteps``, ...), into another
 ``state_format``, so a run can switch between Optax's fp32 state and
 pallasopt's bf16 or 8-bit state::
@@ -15,7 +17,10 @@ pallasopt's bf16 or 8-bit state::
 
 Converting to a lower precision rounds each moment to nearest (8-bit: the
 map value nearest to the moment over its block's absmax); converting back
-dequantizes exactly. The count and every other state leaf are kept.
+dequantizes exactly. The count and every other state leaf are kept, Optax
+``trace`` and ``ema`` states included (they serve SGD's momentum and
+parameter averages too): RMSProp's momentum trace and Adafactor's momentum
+keep their storage, which those transforms accept with any ``state_format``.
 """
 
 from typing import Any
@@ -27,6 +32,7 @@ import optax
 from optax.contrib import MuonState
 
 from pallasopt.optim import _validation as v
+from pallasopt.optim.mars import ScaleByMarsState
 from pallasopt.optim._elementwise_tx import (
     check_state_format,
     is_quantized,
@@ -43,6 +49,12 @@ _MOMENTS: dict[type, dict[str, bool]] = {
     optax.ScaleByAdamState: {"mu": True, "nu": False},
     optax.ScaleByLionState: {"mu": True},
     MuonState: {"mu": True},
+    ScaleByMarsState: {"mu": True, "nu": False, "mog": True},
+    optax.ScaleByRmsState: {"nu": False},
+    optax.ScaleByRStdDevState: {"mu": True, "nu": False},
+    # Optax does not export the bias-corrected forms' classes; their inits do.
+    type(optax.scale_by_rms(bias_correction=True).init({})): {"nu": False},
+    type(optax.scale_by_stddev(bias_correction=True).init({})): {"mu": True, "nu": False},
 }
 
 
@@ -64,9 +76,10 @@ def convert_state(
   """Returns ``opt_state`` with its AdamW and Lion moments stored as ``state_format``.
 
   Args:
-    opt_state: a state of `pallasopt.optim.adamw`, ``nadamw``, ``lion`` or
-      ``muon`` (any ``state_format``) or of ``optax.adamw`` / ``nadamw`` /
-      ``lion`` / ``contrib.muon``, possibly wrapped.
+    opt_state: a state of `pallasopt.optim.adamw`, ``nadamw``, ``lion``,
+      ``muon``, ``mars`` or ``rmsprop`` (any ``state_format``) or of
+      ``optax.adamw`` / ``nadamw`` / ``lion`` / ``rmsprop`` /
+      ``contrib.muon``, possibly wrapped.
     params: the params the state belongs to (arrays or
       ``jax.ShapeDtypeStruct``s): they decide each leaf's storage, as
       ``init`` does.

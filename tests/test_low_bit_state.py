@@ -488,3 +488,23 @@ def test_low_bit_state_composes_like_optax_state(name):
   else:
     _assert_same(got, want, name)
   jax.jit(wrapped.update)(grads, state, params)  # the stepped state steps again
+
+
+def test_convert_state_handles_rmsprop_and_mars():
+  # Their moments convert (nu unsigned; mu and mog signed) and step; Optax's
+  # trace state (RMSProp's momentum, also SGD's) keeps its storage.
+  params = {"w": _params()["w"], "b": _params()["b"]}
+  grads = _grads(params, 0)
+  cases = [
+      (optax.rmsprop(1e-3, centered=True, momentum=0.9, bias_correction=True),
+       lambda fmt: pallasopt.optim.rmsprop(1e-3, centered=True, momentum=0.9,
+                                           bias_correction=True, state_format=fmt)),
+      (pallasopt.optim.mars(1e-3), lambda fmt: pallasopt.optim.mars(1e-3, state_format=fmt)),
+  ]
+  for ref, make in cases:
+    _, state = ref.update(grads, ref.init(params), params)
+    as_int8 = pallasopt.optim.convert_state(state, params, "int8")
+    assert isinstance(as_int8[0].nu["w"], Int8Blockwise)
+    assert jax.tree.structure(pallasopt.optim.convert_state(as_int8, params, None)) == (
+        jax.tree.structure(state))
+    jax.jit(make("int8").update)(grads, as_int8, params)
