@@ -14,12 +14,12 @@ bytes per element of ``x`` and ``n`` elements per leaf:
   p): 40 B/param for f32 AdamW with decay, 32 for Lion.
 
 Low-bit state cases (`ElementwiseFamily.low_bit_case`, label
-``.../state-int8`` or ``.../state-bf16``, and ``.../bf16-sr/state-int8`` for
+``.../state-int8``, ``.../state-fp8`` or ``.../state-bf16``, and ``.../bf16-sr/state-int8`` for
 bf16 params and grads with stochastic rounding) compare jitted Optax with
 fp32 state (the baseline), Optax with ``mu_dtype=bfloat16``, and pallasopt
 with that ``state_format``, each with its own state. Their floor is the
 low-bit fused apply kernel's cost estimate: per f32 parameter of a leaf with
-8-bit state, ``12 + 2 k (1 + 4/256)`` bytes (16.06 for AdamW), with bf16
+8-bit (int8 or fp8) state, ``12 + 2 k (1 + 4/256)`` bytes (16.06 for AdamW), with bf16
 state ``12 + 4 k`` (20 for AdamW); leaves under 4096 elements keep f32 state.
 
 Every case compares three implementations (`harness.optimizer_case`): jitted
@@ -130,8 +130,8 @@ class ElementwiseFamily:
     total = 0
     for p in jax.tree.leaves(tree):
       n = math.prod(p.shape)
-      if state_format == "int8" and n >= quant.MIN_QUANTIZED_SIZE:
-        codes = jax.ShapeDtypeStruct(p.shape, jnp.uint8)
+      if state_format in quant.BLOCKWISE and n >= quant.MIN_QUANTIZED_SIZE:
+        codes = jax.ShapeDtypeStruct(p.shape, jnp.uint8)  # fp8 codes: one byte too
         scales = jax.ShapeDtypeStruct(quant.scales_shape(p.shape), jnp.float32)
         state, sizes = [codes, scales] * self.moments, [n, n // quant.BLOCK] * self.moments
       else:
@@ -189,7 +189,7 @@ class ElementwiseFamily:
         leaves=workload.leaves, inputs=inputs_for(workload.tree), impls=impls,
         bytes=self.low_bit_bytes(ours_tree, state_format),
         # kernels._elementwise.cuda_auto: Triton for 8-bit moments, else XLA.
-        auto_on_cuda="pallas" if state_format == "int8" else "xla",
+        auto_on_cuda="pallas" if state_format in quant.BLOCKWISE else "xla",
     )
 
   def case(self, workload: workloads.Workload, mu_dtype=None) -> harness.Case:
@@ -228,6 +228,6 @@ class ElementwiseFamily:
     low_bit = [workloads.leaf(n, "f32") for n in workloads.leaf_sizes(tier) if n >= 4096]
     low_bit += [w for w in workloads.for_tier(tier, ("f32",)) if w.label == "f32"]
     for w in low_bit:
-      out += [self.low_bit_case(w, "int8"), self.low_bit_case(w, "bf16"),
-              self.low_bit_case(w, "int8", bf16_params=True)]
+      out += [self.low_bit_case(w, "int8"), self.low_bit_case(w, "fp8"),
+              self.low_bit_case(w, "bf16"), self.low_bit_case(w, "int8", bf16_params=True)]
     return out

@@ -131,7 +131,12 @@ def _kernel(
     row_mask = pl.program_id(0) * block[0] + row_ids < plan.view_shape[0]
 
     def load(r, by_row):
-      return pltriton.load(r, mask=row_mask if by_row else mask, other=0).astype(jnp.float32)
+      # Triton cannot cast a fill value to float8: masked-off lanes of an fp8
+      # operand stay undefined. Blockwise views mask whole rows only, and a
+      # row's values reach only that row's (masked-off) stores.
+      fp8 = jnp.issubdtype(r.dtype, jnp.floating) and jnp.dtype(r.dtype).itemsize == 1
+      other = None if fp8 else 0
+      return pltriton.load(r, mask=row_mask if by_row else mask, other=other).astype(jnp.float32)
 
     def store(r, x, by_row):
       pltriton.store(r, x.astype(r.dtype), mask=row_mask if by_row else mask)
@@ -256,8 +261,8 @@ def elementwise_call(
 # ---- Elementwise optimizer updates: "apply" and "updates" modes. ----
 
 UpdateMath = Callable[..., Sequence[jax.Array]]
-# One optimizer state leaf: an array (f32 or bf16) or an 8-bit blockwise moment.
-Moment = jax.Array | quant.Int8Blockwise
+# One optimizer state leaf: an array (f32 or bf16) or a blockwise (8-bit or fp8) moment.
+Moment = jax.Array | quant.Int8Blockwise | quant.Fp8Blockwise
 
 
 def check_update_mode(mode: str, p: jax.Array | None, decay: bool) -> None:
@@ -291,7 +296,7 @@ def check_rounding(name: str, value: object) -> str:
 
 
 def _moment_dtype(m: Moment) -> jnp.dtype:
-  return jnp.dtype(jnp.float32) if isinstance(m, quant.Int8Blockwise) else jnp.dtype(m.dtype)
+  return jnp.dtype(jnp.float32) if quant.is_blockwise(m) else jnp.dtype(m.dtype)
 
 
 def _rounded_streams(
@@ -312,7 +317,7 @@ def _rounded_streams(
 
 
 def _check_signed(moments, signed: Sequence[bool]) -> None:
-  if any(isinstance(m, quant.Int8Blockwise) for m in moments) and len(signed) != len(moments):
+  if any(map(quant.is_blockwise, moments)) and len(signed) != len(moments):
     raise ValueError(
         f"8-bit moments need one signed flag per moment; got {len(signed)} for {len(moments)}."
     )
@@ -325,7 +330,7 @@ def per_element(moments: Sequence[Moment], *roundings: str) -> bool:
   the same input element. An 8-bit moment's block scales, or random bits
   drawn from an element's index in the whole leaf, are not per element.
   """
-  return not any(isinstance(m, quant.Int8Blockwise) for m in moments) and all(
+  return not any(map(quant.is_blockwise, moments)) and all(
       r == "nearest" for r in roundings
   )
 
@@ -341,7 +346,7 @@ def cuda_auto(moments: Sequence[Moment]) -> str:
   leaf, XLA's cost analysis on a CPU host, bench/cases_adamw.py). Neither
   8-bit path has been timed on a GPU yet.
   """
-  return "pallas" if any(isinstance(m, quant.Int8Blockwise) for m in moments) else "xla"
+  return "pallas" if any(map(quant.is_blockwise, moments)) else "xla"
 
 
 def store_moment(
@@ -349,13 +354,14 @@ def store_moment(
 ) -> Moment:
   """An f32 result ``x`` stored in ``like``'s format: a moment's or the params' (XLA path).
 
-  A `quant.Int8Blockwise` ``like`` gets ``x``'s blockwise codes on the
-  signed or unsigned map; an array ``like`` gets ``x`` in its dtype, rounded
+  A blockwise ``like`` (`quant.Int8Blockwise`, `quant.Fp8Blockwise`) gets
+  ``x``'s blockwise codes in its format (on the signed or unsigned map for
+  8-bit codes); an array ``like`` gets ``x`` in its dtype, rounded
   stochastically with ``bits`` (`quant.random_bits`) when given and the
   dtype is bfloat16, else to nearest.
   """
-  if isinstance(like, quant.Int8Blockwise):
-    return quant.quantize(x, signed=signed)
+  if quant.is_blockwise(like):
+    return quant.quantize(x, signed=signed, fmt=quant.format_of(like))
   if bits is not None and like.dtype == jnp.bfloat16:
     x = quant.stochastic_round_bf16(x, bits)
   return x.astype(like.dtype)
@@ -383,7 +389,8 @@ def reference_update(
     p: params, or None in ``"updates"`` mode without decay.
     g: gradient.
     moments: the optimizer state leaves, each kept in its own format: an
-      array in its own dtype, or a `quant.Int8Blockwise`.
+      array in its own dtype, or a blockwise moment (`quant.Int8Blockwise`,
+      `quant.Fp8Blockwise`).
     scalars: the family's NamedTuple of per-step scalars.
     mode: ``"apply"`` returns ``(p + u, *moments)``; ``"updates"`` returns
       ``(u, *moments)``, ``u`` in `updates_dtype`.
@@ -405,7 +412,7 @@ def reference_update(
   s = type(scalars)(*(jnp.asarray(x, jnp.float32) for x in scalars))
   f32 = lambda x: None if x is None else x.astype(jnp.float32)
   values = [
-      quant.dequantize(m, signed=signed[i]) if isinstance(m, quant.Int8Blockwise) else f32(m)
+      quant.dequantize(m, signed=signed[i]) if quant.is_blockwise(m) else f32(m)
       for i, m in enumerate(moments)
   ]
   u, *new = math(s, f32(p), f32(g), *values, decay=decay)
@@ -462,7 +469,7 @@ def kernel_update(
       p, moments, mode=mode, state_rounding=state_rounding, param_rounding=param_rounding,
       key=key,
   )
-  quantized = [isinstance(m, quant.Int8Blockwise) for m in moments]
+  quantized = [quant.is_blockwise(m) for m in moments]
   if any(quantized) and g.size % quant.BLOCK:
     return reference_update(
         math, p, g, moments, scalars, mode=mode, decay=decay, signed=signed,
@@ -502,14 +509,17 @@ def kernel_update(
     for i, q in enumerate(quantized):
       if q:
         codes, scales = next(rest), next(rest)
-        loaded.append(quant.dequantize_rows(codes, scales, signed[i]))
+        loaded.append(quant.dequantize_rows(codes, scales, signed[i], quant.format_of(moments[i])))
       else:
         loaded.append(next(rest))
     p = next(rest) if with_p else None
     u, *new = math(type(scalars)(*values[:num_scalars]), p, g, *loaded, decay=decay)
     outputs = [rounded(p + u, 0) if mode == "apply" else u]
     for i, (x, q) in enumerate(zip(new, quantized, strict=True)):
-      outputs.extend(quant.quantize_rows(x, signed[i]) if q else (rounded(x, 1 + i),))
+      if q:
+        outputs.extend(quant.quantize_rows(x, signed[i], quant.format_of(moments[i])))
+      else:
+        outputs.append(rounded(x, 1 + i))
     return outputs
 
   flops = (
@@ -524,7 +534,7 @@ def kernel_update(
   ))
   first = next(outs)
   stored = [
-      quant.Int8Blockwise(next(outs), next(outs).reshape(m.scales.shape)) if q else next(outs)
+      type(m)(next(outs), next(outs).reshape(m.scales.shape)) if q else next(outs)
       for m, q in zip(moments, quantized, strict=True)
   ]
   return (first, *stored)

@@ -32,6 +32,11 @@ arithmetic (the decade from a handful of compares, the fraction from an
 affine map): no lookup table, no gather, nothing Mosaic or Triton cannot
 lower. Encoding rounds to the nearest map value (ties towards zero).
 
+**fp8 blockwise state** (`Fp8Blockwise`): the same blocks and absmax, each
+element stored as the float8 e4m3 value nearest to ``448 x / s`` (448 is
+e4m3's largest finite value): no map, 3 mantissa bits (relative error
+:math:`\le 2^{-4}`) and a range down to :math:`2^{-9}/448` of the absmax.
+
 **Stochastic rounding** to bfloat16 adds 16 random bits below the bf16
 mantissa of the f32 value and truncates: the result is one of the two
 neighbouring bf16 values, the farther one with probability proportional to
@@ -58,6 +63,11 @@ __all__ = [
     "BLOCK",
     "MIN_QUANTIZED_SIZE",
     "Int8Blockwise",
+    "Fp8Blockwise",
+    "BLOCKWISE",
+    "E4M3_MAX",
+    "is_blockwise",
+    "format_of",
     "scales_shape",
     "decode",
     "encode",
@@ -97,6 +107,35 @@ class Int8Blockwise(NamedTuple):
 
   codes: jax.Array
   scales: jax.Array
+
+
+class Fp8Blockwise(NamedTuple):
+  """A moment stored as float8 e4m3 values with one f32 absmax per block.
+
+  Attributes:
+    codes: float8_e4m3fn, the moment's shape: ``448 x / absmax``, rounded to
+      nearest (even).
+    scales: f32 absmax per block of `BLOCK` elements, as `Int8Blockwise`'s.
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+
+
+# The blockwise state formats, by the name `quantize` takes.
+BLOCKWISE: dict[str, type] = {"int8": Int8Blockwise, "fp8": Fp8Blockwise}
+# The largest finite float8_e4m3fn value: a block's absmax maps to it.
+E4M3_MAX = 448.0
+
+
+def is_blockwise(x: object) -> bool:
+  """Whether ``x`` is a blockwise-quantized moment (8-bit codes or fp8)."""
+  return isinstance(x, tuple(BLOCKWISE.values()))
+
+
+def format_of(q: Int8Blockwise | Fp8Blockwise) -> str:
+  """``"int8"`` or ``"fp8"``: the format of a blockwise moment."""
+  return "fp8" if isinstance(q, Fp8Blockwise) else "int8"
 
 
 def scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -187,20 +226,25 @@ def encode(x, signed: bool):
   return j - 1.0
 
 
-def quantize_rows(x, signed: bool):
+def quantize_rows(x, signed: bool, fmt: str = "int8"):
   """Blockwise codes of the rows of ``x`` (f32 ``(rows, BLOCK)``): ``(codes, absmax)``.
 
-  ``codes`` is f32 holding 0..255, ``absmax`` f32 ``(rows, 1)``. A zero block
-  gets scale 0 and 0's code.
+  ``absmax`` is f32 ``(rows, 1)``. ``codes`` is f32: for ``"int8"`` holding
+  0..255, for ``"fp8"`` the scaled values, which storing as float8_e4m3fn
+  rounds. A zero block gets scale 0 and 0's code.
   """
   absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
   positive = absmax > 0
   normalised = jnp.where(positive, x / jnp.where(positive, absmax, 1.0), 0.0)
+  if fmt == "fp8":
+    return normalised * E4M3_MAX, absmax
   return encode(normalised, signed), absmax
 
 
-def dequantize_rows(codes, absmax, signed: bool):
-  """The f32 values of blockwise ``codes`` (f32 0..255) with their ``absmax``."""
+def dequantize_rows(codes, absmax, signed: bool, fmt: str = "int8"):
+  """The f32 values of blockwise ``codes`` (loaded as f32) with their ``absmax``."""
+  if fmt == "fp8":
+    return codes * (absmax / E4M3_MAX)
   return decode(codes, signed) * absmax
 
 
@@ -245,18 +289,27 @@ def _from_block_rows(rows, like):
   return _reshape(rows, like.shape, _sharding(like))
 
 
-def quantize(x: jax.Array, *, signed: bool) -> Int8Blockwise:
-  """`Int8Blockwise` of an array of any shape (its last block may be ragged)."""
-  codes, absmax = quantize_rows(_block_rows(x.astype(jnp.float32)), signed)
-  return Int8Blockwise(
-      _from_block_rows(codes.astype(jnp.uint8), x), absmax.reshape(absmax.shape[:-1])
+_CODE_DTYPES = {"int8": jnp.uint8, "fp8": jnp.float8_e4m3fn}
+
+
+def quantize(
+    x: jax.Array, *, signed: bool, fmt: str = "int8"
+) -> Int8Blockwise | Fp8Blockwise:
+  """The blockwise moment (``fmt``: ``"int8"`` or ``"fp8"``) of an array of any shape.
+
+  Its last block may be ragged.
+  """
+  codes, absmax = quantize_rows(_block_rows(x.astype(jnp.float32)), signed, fmt)
+  return BLOCKWISE[fmt](
+      _from_block_rows(codes.astype(_CODE_DTYPES[fmt]), x), absmax.reshape(absmax.shape[:-1])
   )
 
 
-def dequantize(q: Int8Blockwise, *, signed: bool) -> jax.Array:
-  """The f32 moment an `Int8Blockwise` stores."""
+def dequantize(q: Int8Blockwise | Fp8Blockwise, *, signed: bool) -> jax.Array:
+  """The f32 moment a blockwise moment stores."""
   rows = _block_rows(q.codes.astype(jnp.float32))
-  return _from_block_rows(dequantize_rows(rows, q.scales[..., None], signed), q.codes)
+  values = dequantize_rows(rows, q.scales[..., None], signed, format_of(q))
+  return _from_block_rows(values, q.codes)
 
 
 def map_values(signed: bool) -> np.ndarray:

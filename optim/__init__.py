@@ -28,7 +28,7 @@ codes) and ``param_rounding="stochastic"`` for bfloat16 params;
 `convert_state` switches a state between formats.
 """
 
-from pallasopt.kernels.quant import Int8Blockwise
+from pallasopt.kernels.quant import Fp8Blockwise, Int8Blockwise
 from pallasopt.optim._base import FusedGradientTransformation, apply_gradients
 from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
 from pallasopt.optim.adamw import adamw, nadamw
@@ -73,6 +73,7 @@ __all__ = [
     "apply_gradients",
     "convert_state",
     "Int8Blockwise",
+    "Fp8Blockwise",
     # Drop-ins.
     "adafactor",
     "adamw",

@@ -17,10 +17,11 @@ fused ``apply_gradients``. A family supplies only its kernels and how to build
 its per-step scalars.
 
 Low-bit state (``state_format``): ``"bf16"`` stores the moments in bfloat16,
-rounded stochastically on every store; ``"int8"`` stores each moment of a
-leaf with at least `quant.MIN_QUANTIZED_SIZE` elements as a
-`quant.Int8Blockwise` (codes and per-block absmax, inside Optax's own state
-NamedTuple, in place of the array) and the moments of smaller leaves in f32.
+rounded stochastically on every store; ``"int8"`` (``"fp8"``) stores each
+moment of a leaf with at least `quant.MIN_QUANTIZED_SIZE` elements as a
+`quant.Int8Blockwise` (`quant.Fp8Blockwise`): codes and per-block absmax,
+inside Optax's own state NamedTuple, in place of the array; the moments of
+smaller leaves stay f32.
 Both apply to leaves whose params are float32 or bfloat16; any other leaf
 keeps Optax's state. ``param_rounding="stochastic"`` rounds bf16 params
 stochastically in the fused apply. The random bits hash (``seed``, step,
@@ -68,19 +69,19 @@ __all__ = [
     "fused_leaf_steps",
 ]
 
-STATE_FORMATS: tuple[str | None, ...] = (None, "bf16", "int8")
+STATE_FORMATS: tuple[str | None, ...] = (None, "bf16", "int8", "fp8")
 
 
 def is_quantized(x: Any) -> bool:
-  """Whether a state node is an 8-bit moment (a leaf for tree maps over moments)."""
-  return isinstance(x, quant.Int8Blockwise)
+  """Whether a state node is a blockwise moment (a leaf for tree maps over moments)."""
+  return quant.is_blockwise(x)
 
 
 def check_state_format(owner: str, state_format: Any, mu_dtype: jnp.dtype | None) -> None:
   """``state_format`` is one of `STATE_FORMATS` and does not contradict ``mu_dtype``."""
   if state_format not in STATE_FORMATS:
     raise ValueError(
-        f"{owner}: state_format must be None, 'bf16' or 'int8'; got {state_format!r}."
+        f"{owner}: state_format must be None, 'bf16', 'int8' or 'fp8'; got {state_format!r}."
     )
   if state_format is not None and mu_dtype is not None and not (
       state_format == "bf16" and mu_dtype == jnp.bfloat16
@@ -94,14 +95,15 @@ def check_state_format(owner: str, state_format: Any, mu_dtype: jnp.dtype | None
 def stored_moment(
     value: jax.Array, param: Any, *, signed: bool, state_format: str | None,
     dtype: jnp.dtype | None = None,
-) -> jax.Array | quant.Int8Blockwise:
+) -> jax.Array | quant.Int8Blockwise | quant.Fp8Blockwise:
   """A moment ``value`` stored as ``state_format`` keeps it for ``param``'s leaf.
 
   ``None``, and leaves whose params are not float32 or bfloat16: ``dtype``
   (default: the param's), as Optax's init. ``"bf16"``: bfloat16 (rounded to
   nearest here; the steps round stochastically). ``"int8"``: a
-  `quant.Int8Blockwise` on the signed or unsigned map, or f32 for leaves
-  under `quant.MIN_QUANTIZED_SIZE` elements.
+  `quant.Int8Blockwise` on the signed or unsigned map; ``"fp8"``: a
+  `quant.Fp8Blockwise`; both f32 for leaves under
+  `quant.MIN_QUANTIZED_SIZE` elements.
   """
   if state_format is None or not v.kernel_dtypes(param):
     return value.astype(dtype or jnp.result_type(param))
@@ -109,11 +111,11 @@ def stored_moment(
     return value.astype(jnp.bfloat16)
   if math.prod(jnp.shape(param)) < quant.MIN_QUANTIZED_SIZE:
     return value.astype(jnp.float32)
-  return quant.quantize(value, signed=signed)
+  return quant.quantize(value, signed=signed, fmt=state_format)
 
 
-def moment_value(moment: jax.Array | quant.Int8Blockwise, *, signed: bool) -> jax.Array:
-  """The array a stored moment holds (an 8-bit one dequantized to f32)."""
+def moment_value(moment: Any, *, signed: bool) -> jax.Array:
+  """The array a stored moment holds (a blockwise one dequantized to f32)."""
   return quant.dequantize(moment, signed=signed) if is_quantized(moment) else moment
 
 # (count, learning_rate, weight_decay, grad_scale) -> the kernel's scalars.
@@ -272,7 +274,7 @@ def elementwise_transform(
     optax_scaling: Optax's ``scale_by_X`` with the same hyperparameters, run
       on the leaves whose dtypes no kernel takes.
     signed: per moment, whether its values have both signs (the 8-bit map).
-    state_format: ``None``, ``"bf16"`` or ``"int8"`` (module docstring).
+    state_format: ``None``, ``"bf16"``, ``"int8"`` or ``"fp8"`` (module docstring).
     param_rounding: ``"nearest"`` or ``"stochastic"``, for bf16 params in
       ``apply_gradients``.
     seed: the seed of the stochastic roundings (None: 0).

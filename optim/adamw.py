@@ -67,8 +67,10 @@ def adamw(
   a dynamic map, signed for first moments and unsigned for second, one f32
   absmax per block of 256 elements: ~2.03 bytes per moment and param), in
   place of the array inside Optax's state NamedTuple; smaller leaves keep
-  f32 moments. Each step decodes, updates in f32 and re-encodes in one pass.
-  Both apply to leaves whose params are float32 or bfloat16 and need float32
+  f32 moments. ``"fp8"``: the same blocks and absmax with float8 e4m3 codes
+  (`pallasopt.kernels.quant.Fp8Blockwise`: no map, 3 mantissa bits). Each
+  step decodes, updates in f32 and re-encodes in one pass. They apply to
+  leaves whose params are float32 or bfloat16 and need float32
   or bfloat16 grads there. `pallasopt.optim.convert_state` converts a state
   between formats. The random bits of stochastic rounding hash ``seed``, the
   step, the leaf's index and the element's index: the same in every ``impl``.
@@ -91,7 +93,7 @@ def adamw(
       returning one) selecting the leaves that decay.
     nesterov: use Nesterov momentum (NAdamW).
     state_format: how the moments are stored (`low-bit state`_): ``None``
-      (Optax's state), ``"bf16"`` or ``"int8"``.
+      (Optax's state), ``"bf16"``, ``"int8"`` or ``"fp8"``.
     param_rounding: ``"nearest"`` or ``"stochastic"``: how
       ``apply_gradients`` rounds bfloat16 params (``update`` returns
       updates and rounds nothing).

@@ -113,7 +113,7 @@ class AdamWConfig(SerializationMixin):
     eps_root: added inside the square root.
     mu_dtype: dtype of the first moment (None: the params' dtype).
     nesterov: Nesterov momentum (NAdamW); not in eFormer's config.
-    state_format: storage of the moments: None, ``"bf16"`` or ``"int8"``.
+    state_format: storage of the moments: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
     param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
     seed: seed of the stochastic roundings (None: 0).
   """
@@ -137,7 +137,7 @@ class LionConfig(SerializationMixin):
     b1: interpolation between momentum and gradient for the update sign.
     b2: decay of the momentum.
     mu_dtype: dtype of the momentum (None: the params' dtype).
-    state_format: storage of the momentum: None, ``"bf16"`` or ``"int8"``.
+    state_format: storage of the momentum: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
     param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
     seed: seed of the stochastic roundings (None: 0).
   """
@@ -164,7 +164,7 @@ class RMSPropConfig(SerializationMixin):
     nesterov: Nesterov momentum.
     eps: added inside the square root.
     centered: subtract the squared mean gradient (not in eFormer's).
-    state_format: storage of the state: None, ``"bf16"`` or ``"int8"``.
+    state_format: storage of the state: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
     seed: seed of the stochastic roundings (None: 0).
   """
 
@@ -223,7 +223,7 @@ class AdafactorConfig(SerializationMixin):
     weight_decay_rate: decoupled weight decay (None: none).
     eps: regulariser of the second moment.
     factored: factor the second moment of matrices.
-    state_format: storage of the momentum: None, ``"bf16"`` or ``"int8"``.
+    state_format: storage of the momentum: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
     seed: seed of the stochastic roundings (None: 0).
   """
 

@@ -159,7 +159,7 @@ def mars(
     max_grad_norm: global-norm clip of the variance-reduced gradient (0 or
       None: off).
     mu_dtype: dtype of ``mu`` and ``mog`` (None: the params').
-    state_format: ``None``, ``"bf16"`` or ``"int8"`` (as in
+    state_format: ``None``, ``"bf16"``, ``"int8"`` or ``"fp8"`` (as in
       `pallasopt.optim.adamw`; ``mog`` on the signed map).
     param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
     seed: seed of the stochastic roundings (None: 0).

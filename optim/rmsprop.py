@@ -86,7 +86,7 @@ def rmsprop(
     momentum: decay of the trace, in [0, 1), or None for no momentum.
     nesterov: Nesterov momentum.
     bias_correction: divide the moving averages by :math:`1-\rho^t`.
-    state_format: ``None`` (Optax's state), ``"bf16"`` or ``"int8"``.
+    state_format: ``None`` (Optax's state), ``"bf16"``, ``"int8"`` or ``"fp8"``.
     param_rounding: ``"nearest"`` or ``"stochastic"`` rounding of bfloat16
       params in ``apply_gradients``.
     seed: seed of the stochastic roundings (an int; None means 0).

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from pallasopt.kernels._dispatch import resolve_impl
-from pallasopt.kernels.quant import Int8Blockwise
+from pallasopt.kernels import quant
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import FusedGradientTransformation
 from pallasopt.optim.configs import (
@@ -392,7 +392,7 @@ def _per_param_entries(node: Any, params_def: Any) -> list[Any] | None:
   an 8-bit moment, an ``optax.MaskedNode``), or one list of arrays per param
   (Kron's factors): what `pipeline.sharding.optimizer_state_specs` matches.
   """
-  entry = lambda x: isinstance(x, (optax.MaskedNode, Int8Blockwise))
+  entry = lambda x: isinstance(x, optax.MaskedNode) or quant.is_blockwise(x)
   if jax.tree.structure(node, is_leaf=entry) == params_def:
     return jax.tree.leaves(node, is_leaf=entry)
   if jax.tree_util.treedef_is_leaf(params_def):

@@ -37,7 +37,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pallasopt.optim import Int8Blockwise
+from pallasopt.optim import Fp8Blockwise, Int8Blockwise
 
 __all__ = [
     "AutoShardingRule",
@@ -111,10 +111,10 @@ def _is_masked(node: Any) -> bool:
 
 def _is_state_leaf(node: Any) -> bool:
   # An 8-bit moment stands where its param's moment array would.
-  return _is_masked(node) or isinstance(node, Int8Blockwise)
+  return _is_masked(node) or isinstance(node, (Int8Blockwise, Fp8Blockwise))
 
 
-def _int8_specs(moment: Int8Blockwise, param_shape, param_spec: PartitionSpec) -> Int8Blockwise:
+def _blockwise_specs(moment: Any, param_shape, param_spec: PartitionSpec) -> Any:
   """Codes like the param; scales like its leading dims, the blocked axis whole.
 
   The scales' last axis merges the param's trailing dims into blocks; whether
@@ -125,7 +125,7 @@ def _int8_specs(moment: Int8Blockwise, param_shape, param_spec: PartitionSpec) -
   leading = len(moment.scales.shape) - 1
   if tuple(moment.scales.shape[:leading]) != tuple(param_shape[:leading]):
     leading = 0
-  return Int8Blockwise(codes=_make_spec(entries), scales=_make_spec(entries[:leading]))
+  return type(moment)(codes=_make_spec(entries), scales=_make_spec(entries[:leading]))
 
 
 def _shard_factor(mesh_shape: Mapping[str, int], spec: PartitionSpec) -> int:
@@ -595,8 +595,8 @@ def _matched_specs(path: KeyPath, node: Any, params: _Params, field: str | None)
     if _is_masked(leaf):
       specs.append(leaf)
       continue
-    if isinstance(leaf, Int8Blockwise):
-      specs.append(_int8_specs(leaf, param.shape, spec))
+    if isinstance(leaf, (Int8Blockwise, Fp8Blockwise)):
+      specs.append(_blockwise_specs(leaf, param.shape, spec))
       continue
     shape = _as_struct(path + leaf_path, leaf, "opt_state").shape
     derived = _derived_spec(shape, param.shape, spec, field)
@@ -689,7 +689,8 @@ def optimizer_state_specs(
       equal-sized dims could have been removed, Adafactor's choice is used
       under ``v_row``/``v_col`` and the last such dim elsewhere;
     - any other leaf (Adafactor's ``(1,)`` placeholders) is replicated;
-    - an 8-bit moment (``state_format="int8"``, a `Int8Blockwise`): its
+    - a blockwise moment (``state_format="int8"`` or ``"fp8"``, an
+      `Int8Blockwise` or `Fp8Blockwise`): its
       codes take the param's spec, its per-block scales the spec of the
       param's leading dims they keep (their blocked last axis is whole).
 

@@ -27,7 +27,7 @@ from helpers import (
     tolerance,
 )
 from pallasopt.kernels import adamw as adamw_k, lion as lion_k, quant
-from pallasopt.optim import Int8Blockwise
+from pallasopt.optim import Fp8Blockwise, Int8Blockwise
 from pallasopt.pipeline.sharding import optimizer_state_specs
 
 # Leaves that exercise the 8-bit kernel's tiling: one block, whole rows of
@@ -45,8 +45,8 @@ QUANT_SHAPES = [(256,), (40, 256), (3, 5, 256), (2, 3, 128), (16, 1024), (300,),
 def _state(rng, shape, fmt, n_moments):
   m = random_array(rng, shape, jnp.float32, scale=0.1)
   v = random_array(rng, shape, jnp.float32, positive=True, scale=0.01)
-  if fmt == "int8":
-    moments = (quant.quantize(m, signed=True), quant.quantize(v, signed=False))
+  if fmt in ("int8", "fp8"):
+    moments = (quant.quantize(m, signed=True, fmt=fmt), quant.quantize(v, signed=False, fmt=fmt))
   else:
     moments = (m.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
   return moments[:n_moments]
@@ -64,7 +64,7 @@ def _assert_same(got, want, what):
 @given(
     shape=st.sampled_from(QUANT_SHAPES),
     family=st.sampled_from(["adamw", "nadamw", "lion"]),
-    fmt=st.sampled_from(["int8", "bf16"]),
+    fmt=st.sampled_from(["int8", "fp8", "bf16"]),
     param_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
     grad_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
     mode=st.sampled_from(["apply", "updates"]),
@@ -116,9 +116,11 @@ def test_kernel_state_equals_reference_bit_for_bit(
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("shape", [(4096, 1024), (40, 256), (3, 5, 256)], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_int8_and_stochastic_kernels_lower(platform, shape, dtype):
+@pytest.mark.parametrize("blockwise", [Int8Blockwise, Fp8Blockwise], ids=["int8", "fp8"])
+def test_blockwise_and_stochastic_kernels_lower(platform, shape, dtype, blockwise):
   p = sds(shape, dtype)
-  m = Int8Blockwise(sds(shape, jnp.uint8), sds(quant.scales_shape(shape)))
+  code_dtype = jnp.uint8 if blockwise is Int8Blockwise else jnp.float8_e4m3fn
+  m = blockwise(sds(shape, code_dtype), sds(quant.scales_shape(shape)))
   key = sds((), jnp.int32)
   scalars = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
   adamw = lambda p, g, m, v, s, k: adamw_k.adamw_apply(
@@ -189,13 +191,18 @@ def test_state_layout_and_bytes_per_param(make):
   per_param = _state_bytes(make(1e-3, state_format="int8").init(big)[0][1:]) / sum(
       x.size for x in big.values())
   assert per_param <= 2.1 * len(moments) / 2, per_param
+  fp8 = make(1e-3, state_format="fp8").init(params)[0][1:]
+  assert all(isinstance(m["w"], Fp8Blockwise) and m["w"].codes.dtype == jnp.float8_e4m3fn
+             for m in fp8)
+  assert _state_bytes(make(1e-3, state_format="fp8").init(big)[0][1:]) == _state_bytes(
+      make(1e-3, state_format="int8").init(big)[0][1:])
   bf16 = make(1e-3, state_format="bf16").init(params)[0][1:]
   assert all(m[k].dtype == jnp.bfloat16 for m in bf16 for k in ("w", "e", "b"))
   assert _state_bytes(make(1e-3, state_format="bf16").init(big)[0][1:]) / sum(
       x.size for x in big.values()) == 2 * len(moments)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
 @pytest.mark.parametrize("make", [pallasopt.optim.adamw, pallasopt.optim.nadamw, pallasopt.optim.lion],
                          ids=["adamw", "nadamw", "lion"])
 def test_transform_paths_agree_in_every_impl(make, fmt):
@@ -406,10 +413,10 @@ def test_stage_local_path_runs_low_bit_state(name, config):
 
 def test_digits_convergence_with_low_bit_state():
   # scikit-learn's digits (1797 8x8 images), a 64-256-10 tanh MLP, 150
-  # full-batch AdamW steps. Acceptance: int8 and bf16 state, and bf16 params
-  # with stochastic rounding and int8 state, reach Optax's f32-state loss
-  # within 2% (not above 1.02x it). Measured (jax 0.10.2, CPU): f32 0.04168,
-  # int8 0.04025, bf16 0.04169, bf16 params + int8 0.04005.
+  # full-batch AdamW steps. Acceptance: int8, fp8 and bf16 state, and bf16
+  # params with stochastic rounding and int8 state, reach Optax's f32-state
+  # loss within 2% (not above 1.02x it). Measured (jax 0.10.2, CPU): f32
+  # 0.04168, int8 0.04025, fp8 0.04146, bf16 0.04169, bf16 params + int8 0.04005.
   init, loss = digits_mlp(256)
 
   def final_loss(tx, params):
@@ -424,12 +431,14 @@ def test_digits_convergence_with_low_bit_state():
 
   f32 = final_loss(optax.adamw(3e-3), init)
   int8 = final_loss(pallasopt.optim.adamw(3e-3, state_format="int8"), init)
+  fp8 = final_loss(pallasopt.optim.adamw(3e-3, state_format="fp8"), init)
   bf16 = final_loss(pallasopt.optim.adamw(3e-3, state_format="bf16"), init)
   bf16_params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), init)
   pure_bf16 = final_loss(
       pallasopt.optim.adamw(3e-3, state_format="int8", param_rounding="stochastic"), bf16_params)
   assert f32 < 0.2 * float(loss(init))
-  for name, value in (("int8", int8), ("bf16", bf16), ("bf16 params + int8", pure_bf16)):
+  for name, value in (("int8", int8), ("fp8", fp8), ("bf16", bf16),
+                      ("bf16 params + int8", pure_bf16)):
     assert value <= 1.02 * f32, (name, f32, value)
 
 

@@ -161,3 +161,26 @@ def test_stochastic_rounding_keeps_bf16_values_nan_and_inf():
   r = np.asarray(quant.stochastic_round_bf16(x, bits))
   np.testing.assert_array_equal(r[:6], np.asarray(x)[:6])
   assert np.signbit(r[3]) and np.isnan(r[6])
+
+
+@given(
+    shape=st.sampled_from([(256,), (300,), (3, 300), (5000,)]),
+    signed=st.booleans(),
+    seed=st.integers(0, 2**16),
+    log_scale=st.floats(-8, 4),
+)
+def test_fp8_blockwise_error_is_within_e4m3_rounding(shape, signed, seed, log_scale):
+  # y = 448 x / absmax rounds to e4m3: within half an ulp, 2^-4 |y| for
+  # normal values and 2^-10 (half the subnormal step) below 2^-6; back in x,
+  # times absmax / 448, plus f32 rounding of the two products.
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape).astype(np.float32) * np.float32(10.0**log_scale)
+  if not signed:
+    x = np.abs(x)
+  q = quant.quantize(jnp.asarray(x), signed=signed, fmt="fp8")
+  assert isinstance(q, quant.Fp8Blockwise) and q.codes.dtype == jnp.float8_e4m3fn
+  flat = np.pad(x.ravel(), (0, -x.size % quant.BLOCK)).reshape(-1, quant.BLOCK)
+  absmax = np.repeat(np.abs(flat).max(axis=1), quant.BLOCK)[: x.size]
+  bound = np.maximum(2**-4 * np.abs(x.ravel()), 2**-10 * absmax / 448) + 2**-22 * absmax
+  err = np.abs(np.asarray(quant.dequantize(q, signed=signed)).ravel() - x.ravel())
+  np.testing.assert_array_less(err, bound + 1e-30)
