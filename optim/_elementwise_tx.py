@@ -66,6 +66,7 @@ __all__ = [
     "moment_arrays",
     "momentum_bits",
     "check_seed",
+    "check_low_bit_options",
     "fused_leaf_steps",
 ]
 
@@ -155,6 +156,17 @@ def momentum_bits(
 def moment_arrays(tree: Any) -> Any:
   """A moment tree with each 8-bit moment replaced by its codes (the param's shape)."""
   return jax.tree.map(lambda m: m.codes if is_quantized(m) else m, tree, is_leaf=is_quantized)
+
+
+def check_low_bit_options(
+    owner: str, state_format: Any, param_rounding: Any, seed: Any, mu_dtype: Any = None
+) -> Any:
+  """Checks a transform's low-bit options; returns the seed (None means 0)."""
+  check_state_format(owner, state_format, mu_dtype)
+  check_rounding(f"{owner}: param_rounding", param_rounding)
+  seed = 0 if seed is None else seed
+  check_seed(owner, seed)
+  return seed
 
 
 def check_seed(owner: str, seed: Any) -> None:
@@ -282,10 +294,7 @@ def elementwise_transform(
   _check_hyperparameters(owner, learning_rate, weight_decay, betas, nonnegative or {})
   resolve_impl(impl)
   mu_dtype = v.optional_dtype(owner, "mu_dtype", mu_dtype)
-  check_state_format(owner, state_format, mu_dtype)
-  check_rounding(f"{owner}: param_rounding", param_rounding)
-  seed = 0 if seed is None else seed
-  check_seed(owner, seed)
+  seed = check_low_bit_options(owner, state_format, param_rounding, seed, mu_dtype)
   first_moment = state_cls._fields[1]
   num_moments = len(state_cls._fields) - 1
   # Optax builds these two states; reusing their init keeps ours identical.

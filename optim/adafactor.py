@@ -13,8 +13,7 @@ from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.kernels._elementwise import store_moment
 from pallasopt.optim import _validation as v
 from pallasopt.optim._elementwise_tx import (
-    check_seed,
-    check_state_format,
+    check_low_bit_options,
     is_quantized,
     moment_arrays,
     moment_value,
@@ -199,9 +198,7 @@ def adafactor(
           f"{_OWNER}: dtype_momentum={dtype_momentum} and state_format={state_format!r} both"
           " set the momentum's storage; leave dtype_momentum at float32."
       )
-  check_state_format(_OWNER, state_format, None)
-  seed = 0 if seed is None else seed
-  check_seed(_OWNER, seed)
+  seed = check_low_bit_options(_OWNER, state_format, "nearest", seed)
 
   # Optax's chain after scale_by_factored_rms: their init gives our states.
   links = {}

@@ -15,7 +15,6 @@ import optax
 
 from pallasopt.kernels import mars as mars_kernels
 from pallasopt.kernels._dispatch import resolve_impl
-from pallasopt.kernels._elementwise import check_rounding
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
     FusedGradientTransformation,
@@ -24,8 +23,7 @@ from pallasopt.optim._base import (
     schedule_value,
 )
 from pallasopt.optim._elementwise_tx import (
-    check_seed,
-    check_state_format,
+    check_low_bit_options,
     fused_leaf_steps,
     is_quantized,
     moment_arrays,
@@ -172,10 +170,7 @@ def mars(
   v.check_hyperparameter(_OWNER, "learning_rate", learning_rate)
   resolve_impl(impl)
   mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
-  check_state_format(_OWNER, state_format, mu_dtype)
-  check_rounding(f"{_OWNER}: param_rounding", param_rounding)
-  seed = 0 if seed is None else seed
-  check_seed(_OWNER, seed)
+  seed = check_low_bit_options(_OWNER, state_format, param_rounding, seed, mu_dtype)
   scaling = scale_by_mars(b1, b2, gamma, eps, eps_root, max_grad_norm, mu_dtype)
   lr_tx = optax.scale_by_learning_rate(learning_rate)
 

@@ -48,8 +48,7 @@ from pallasopt.kernels._elementwise import store_moment
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import FusedGradientTransformation, advance_schedule
 from pallasopt.optim._elementwise_tx import (
-    check_seed,
-    check_state_format,
+    check_low_bit_options,
     is_quantized,
     moment_arrays,
     moment_value,
@@ -539,9 +538,7 @@ def muon(
     init_coeffs = _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs)
   table_steps = ns_steps if init_coeffs.ndim == 1 else None
   mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
-  check_state_format(_OWNER, state_format, mu_dtype)
-  seed = 0 if seed is None else seed
-  check_seed(_OWNER, seed)
+  seed = check_low_bit_options(_OWNER, state_format, "nearest", seed, mu_dtype)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 

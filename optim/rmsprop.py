@@ -8,7 +8,6 @@ import optax
 
 from pallasopt.kernels import rmsprop as rmsprop_kernels
 from pallasopt.kernels._dispatch import resolve_impl
-from pallasopt.kernels._elementwise import check_rounding
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
     FusedGradientTransformation,
@@ -17,8 +16,7 @@ from pallasopt.optim._base import (
     schedule_value,
 )
 from pallasopt.optim._elementwise_tx import (
-    check_seed,
-    check_state_format,
+    check_low_bit_options,
     fused_leaf_steps,
     moment_arrays,
     stored_moment,
@@ -106,10 +104,7 @@ def rmsprop(
   if momentum is not None:
     v.check_hyperparameter(_OWNER, "momentum", momentum, high=1.0, high_inclusive=False)
   resolve_impl(impl)
-  check_state_format(_OWNER, state_format, None)
-  check_rounding(f"{_OWNER}: param_rounding", param_rounding)
-  seed = 0 if seed is None else seed
-  check_seed(_OWNER, seed)
+  seed = check_low_bit_options(_OWNER, state_format, param_rounding, seed)
   rounds = state_format == "bf16" or param_rounding == "stochastic"
   counted = bias_correction or rounds
   scale_kwargs = dict(decay=decay, eps=eps, initial_scale=initial_scale, eps_in_sqrt=eps_in_sqrt)
