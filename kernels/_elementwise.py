@@ -274,7 +274,7 @@ def check_update_mode(mode: str, p: jax.Array | None, decay: bool) -> None:
 
 
 def updates_dtype(p: jax.Array | None, g: jax.Array, *moments: Moment) -> jnp.dtype:
-  """The dtype of Optax's updates: its inputs' promoted dtype (8-bit moments count as f32)."""
+  """The dtype of Optax's updates: its inputs' promoted dtype (blockwise moments count as f32)."""
   return jnp.result_type(
       *(_moment_dtype(x) for x in (p, g, *moments) if x is not None)
   )
@@ -282,7 +282,7 @@ def updates_dtype(p: jax.Array | None, g: jax.Array, *moments: Moment) -> jnp.dt
 
 # How a result is rounded into a bfloat16 leaf.
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
-# Per element, the cost-estimate flops of decoding and encoding one 8-bit
+# Per element, the cost-estimate flops of decoding and encoding one blockwise
 # moment, and of one stochastic rounding (hash and add).
 _QUANTIZED_FLOPS = 110
 _ROUNDING_FLOPS = 20
@@ -319,7 +319,7 @@ def _rounded_streams(
 def _check_signed(moments, signed: Sequence[bool]) -> None:
   if any(map(quant.is_blockwise, moments)) and len(signed) != len(moments):
     raise ValueError(
-        f"8-bit moments need one signed flag per moment; got {len(signed)} for {len(moments)}."
+        f"blockwise moments need one signed flag per moment; got {len(signed)} for {len(moments)}."
     )
 
 
@@ -327,7 +327,7 @@ def per_element(moments: Sequence[Moment], *roundings: str) -> bool:
   """Whether an update with these moments and roundings may run per shard.
 
   Plain moments rounded to nearest: every output element depends only on
-  the same input element. An 8-bit moment's block scales, or random bits
+  the same input element. A blockwise moment's block scales, or random bits
   drawn from an element's index in the whole leaf, are not per element.
   """
   return not any(map(quant.is_blockwise, moments)) and all(
@@ -339,12 +339,12 @@ def cuda_auto(moments: Sequence[Moment]) -> str:
   """What ``impl="auto"`` runs on a CUDA GPU for an update with these moments.
 
   f32 and bf16 moments: the XLA reference, which fuses the update into one
-  pass (measured on an H100: the Triton kernel only tied it). 8-bit
-  moments: the Triton kernel, because XLA cannot fuse the blockwise
-  re-encoding into the update: its compiled reference reads and writes 3.5x
-  the kernel's bytes for AdamW (59.0 MB against 16.8 MB per 1M-element f32
-  leaf, XLA's cost analysis on a CPU host, bench/cases_adamw.py). Neither
-  8-bit path has been timed on a GPU yet.
+  pass (measured on an H100: the Triton kernel only tied it). Blockwise
+  (int8 or fp8) moments: the Triton kernel, because XLA cannot fuse the
+  blockwise re-encoding into the update: its compiled reference reads and
+  writes 3.5x the kernel's bytes for int8 AdamW (59.0 MB against 16.8 MB per
+  1M-element f32 leaf, XLA's cost analysis on a CPU host,
+  bench/cases_adamw.py). Neither path has been timed on a GPU yet.
   """
   return "pallas" if any(map(quant.is_blockwise, moments)) else "xla"
 
@@ -450,12 +450,12 @@ def kernel_update(
 ) -> tuple[Moment, ...]:
   """`reference_update` as one fused Pallas kernel (`elementwise_call`).
 
-  The moments are aliased to their outputs (an 8-bit moment's codes and
+  The moments are aliased to their outputs (a blockwise moment's codes and
   scales both), and in ``"apply"`` mode p too; donate them in the enclosing
   jit to update in place. p is read only in ``"apply"`` mode or with decay.
   The kernel is named ``{name}_{mode}``.
 
-  8-bit moments are decoded, updated in f32 and re-encoded with their new
+  Blockwise moments are decoded, updated in f32 and re-encoded with their new
   per-block absmax in the same pass: the view has rows of one block
   (`quant.BLOCK` elements), each row's absmax a row reduction. A leaf whose
   size is not a multiple of the block (a ragged last block) runs
