@@ -221,17 +221,16 @@ def elementwise_call(
       plan=plan, backend=backend, row_inputs=row_inputs, row_outputs=row_outputs,
       with_index=with_index,
   )
-  by_row = lambda k, kinds: k in kinds
   call = pl.pallas_call(
       kernel,
       out_shape=[
-          jax.ShapeDtypeStruct((rows, 1) if by_row(k, row_outputs) else plan.view_shape, d)
+          jax.ShapeDtypeStruct((rows, 1) if k in row_outputs else plan.view_shape, d)
           for k, d in enumerate(out_dtypes)
       ],
       grid=plan.grid,
       in_specs=[scalar_spec]
-      + [row_block if by_row(k, row_inputs) else block for k in range(len(operands))],
-      out_specs=[row_block if by_row(k, row_outputs) else block for k in range(len(out_dtypes))],
+      + [row_block if k in row_inputs else block for k in range(len(operands))],
+      out_specs=[row_block if k in row_outputs else block for k in range(len(out_dtypes))],
       # Operand i is pallas_call input i + 1: input 0 is the scalar vector.
       input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
       compiler_params=_compat.compiler_params(
@@ -244,17 +243,17 @@ def elementwise_call(
           transcendentals=transcendentals_per_element * size,
           bytes_accessed=bytes_moved(
               full + [x for i, x in enumerate(operands) if i in row_inputs], out_dtypes,
-              [rows if by_row(k, row_outputs) else size for k in range(len(out_dtypes))],
+              [rows if k in row_outputs else size for k in range(len(out_dtypes))],
           ),
       ),
   )
   views = [
-      x.reshape((rows, 1) if by_row(k, row_inputs) else plan.view_shape)
+      x.reshape((rows, 1) if k in row_inputs else plan.view_shape)
       for k, x in enumerate(operands)
   ]
   outs = call(_scalar_vector(scalars, backend), *views)
   return tuple(
-      o.reshape(-1) if by_row(k, row_outputs) else o.reshape(shape) for k, o in enumerate(outs)
+      o.reshape(-1) if k in row_outputs else o.reshape(shape) for k, o in enumerate(outs)
   )
 
 

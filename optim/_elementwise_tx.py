@@ -61,6 +61,7 @@ __all__ = [
     "elementwise_transform",
     "check_state_format",
     "stored_moment",
+    "stored_moments",
     "moment_value",
     "is_quantized",
     "moment_arrays",
@@ -113,6 +114,14 @@ def stored_moment(
   if math.prod(jnp.shape(param)) < quant.MIN_QUANTIZED_SIZE:
     return value.astype(jnp.float32)
   return quant.quantize(value, signed=signed, fmt=state_format)
+
+
+def stored_moments(tree: Any, params: Any, *, signed: bool, state_format: str | None) -> Any:
+  """`stored_moment` of each leaf of a moment tree (Optax's init), in its dtype."""
+  return jax.tree.map(
+      lambda m, p: stored_moment(m, p, signed=signed, state_format=state_format, dtype=m.dtype),
+      tree, params,
+  )
 
 
 def moment_value(moment: Any, *, signed: bool) -> jax.Array:
@@ -195,8 +204,11 @@ def fused_leaf_steps(
     seed: Any,
     count: jax.Array,
     impl: str,
-) -> list[tuple]:
-  """One elementwise step of every leaf: ``[(first, *moments) per leaf]``.
+) -> list[Any]:
+  """One elementwise step of every leaf: the trees ``[first, *moments]``.
+
+  ``first`` (new params or updates) and each new moment tree have the
+  structure of ``grads``.
 
   A leaf runs ``kernel(p, g, *moments, scalars(), key, decay=, impl=,
   state_rounding=[, param_rounding=])`` when its params, grads and moments
@@ -237,10 +249,13 @@ def fused_leaf_steps(
   moment_leaves = [jax.tree.leaves(m, is_leaf=is_quantized) for m in moments]
   paths = [path for path, _ in v.keyed_leaves(grads)]
   columns = (paths, params, jax.tree.leaves(grads), *moment_leaves, decays)
-  return [
+  results = [
       leaf_step(i, path, p, g, *ms, decay=d)
       for i, (path, p, g, *ms, d) in enumerate(zip(*columns, strict=True))
   ]
+  treedef = jax.tree.structure(grads)
+  by_output = list(zip(*results, strict=True)) or [()] * (1 + len(moments))
+  return [treedef.unflatten(column) for column in by_output]
 
 
 def elementwise_transform(
@@ -353,14 +368,11 @@ def elementwise_transform(
           p, g, ms, moment_state.count, learning_rate_now, weight_decay_now, decay, mode
       )
 
-    results = fused_leaf_steps(
+    first, *new_moments = fused_leaf_steps(
         owner, grads, ps, moments, decays, mode=mode, kernel=kernel, scalars=step_scalars,
         optax_fallback=optax_fallback, grad_scale=grad_scale, state_format=state_format,
         param_rounding=param_rounding, seed=seed, count=count, impl=impl,
     )
-    treedef = jax.tree.structure(grads)
-    by_output = list(zip(*results, strict=True)) or [()] * (1 + num_moments)
-    first, *new_moments = (treedef.unflatten(column) for column in by_output)
     new_state = (
         state_cls(count, *new_moments),
         advance_schedule(decay_state),

@@ -18,7 +18,7 @@ from pallasopt.optim._elementwise_tx import (
     moment_arrays,
     moment_value,
     momentum_bits,
-    stored_moment,
+    stored_moments,
 )
 from pallasopt.optim._base import (
     FusedGradientTransformation,
@@ -262,11 +262,9 @@ def adafactor(
     state = [factored_state, *(link.init(params) for link in links.values())]
     if state_format is not None:
       i = position["momentum"]
-      state[i] = state[i]._replace(ema=jax.tree.map(
-          lambda m, p: stored_moment(m, p, signed=True, state_format=state_format,
-                                     dtype=m.dtype),
-          state[i].ema, params,
-      ))
+      state[i] = state[i]._replace(
+          ema=stored_moments(state[i].ema, params, signed=True, state_format=state_format)
+      )
     return tuple(state)
 
   def step(grads, state, params, mode, grad_scale, learning_rate_now):

@@ -28,7 +28,7 @@ from pallasopt.optim._elementwise_tx import (
     is_quantized,
     moment_arrays,
     moment_value,
-    stored_moment,
+    stored_moments,
 )
 
 __all__ = ["ScaleByMarsState", "scale_by_mars", "mars"]
@@ -177,8 +177,7 @@ def mars(
   def init_fn(params):
     state = scaling.init(params)
     stored = [
-        jax.tree.map(lambda m, p, s=s: stored_moment(
-            m, p, signed=s, state_format=state_format, dtype=m.dtype), tree, params)
+        stored_moments(tree, params, signed=s, state_format=state_format)
         for tree, s in zip((state.mu, state.nu, state.mog), mars_kernels.SIGNED, strict=True)
     ]
     return ScaleByMarsState(state.count, *stored), lr_tx.init(params)
@@ -233,15 +232,12 @@ def mars(
       first = optax.apply_updates(p, u) if mode == "apply" else u
       return (first, new.mu[0], new.nu[0], g)
 
-    results = fused_leaf_steps(
+    first, mu, nu, mog = fused_leaf_steps(
         _OWNER, grads, ps, moments, decays, mode=mode, kernel=kernel_for(mode),
         scalars=scalars, optax_fallback=optax_fallback, grad_scale=grad_scale,
         state_format=state_format, param_rounding=param_rounding, seed=seed, count=count,
         impl=impl,
     )
-    treedef = jax.tree.structure(grads)
-    by_output = list(zip(*results, strict=True)) or [()] * 4
-    first, mu, nu, mog = (treedef.unflatten(column) for column in by_output)
     return first, (ScaleByMarsState(count, mu, nu, mog), advance_schedule(lr_state))
 
   return fused_transformation(init_fn, step)

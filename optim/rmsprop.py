@@ -19,7 +19,7 @@ from pallasopt.optim._elementwise_tx import (
     check_low_bit_options,
     fused_leaf_steps,
     moment_arrays,
-    stored_moment,
+    stored_moments,
 )
 
 __all__ = ["rmsprop"]
@@ -138,11 +138,7 @@ def rmsprop(
     rms = (counted_scaling if counted else scaling).init(params)
     state = (rms, lr_tx.init(params), trace_tx.init(params) if trace_tx else optax.EmptyState())
     trees = [
-        jax.tree.map(
-            lambda m, p, s=s: stored_moment(m, p, signed=s, state_format=state_format,
-                                            dtype=m.dtype),
-            tree, params,
-        )
+        stored_moments(tree, params, signed=s, state_format=state_format)
         for tree, s in zip(moment_trees(state), signs, strict=True)
     ]
     return with_moments(state, trees, state[0].count if counted else None)
@@ -194,14 +190,11 @@ def rmsprop(
       return (first, *new)
 
     kernel = apply_kernel if mode == "apply" else updates_kernel
-    results = fused_leaf_steps(
+    first, *new_moments = fused_leaf_steps(
         _OWNER, grads, ps, moments, decays, mode=mode, kernel=kernel, scalars=scalars,
         optax_fallback=optax_fallback, grad_scale=grad_scale, state_format=state_format,
         param_rounding=param_rounding, seed=seed, count=count, impl=impl,
     )
-    treedef = jax.tree.structure(grads)
-    by_output = list(zip(*results, strict=True)) or [()] * (1 + len(moments))
-    first, *new_moments = (treedef.unflatten(column) for column in by_output)
     new_rms, _, new_trace = with_moments(state, new_moments, count)
     return first, (new_rms, advance_schedule(lr_state), new_trace)
 

@@ -71,6 +71,12 @@ def test_encode_picks_the_nearest_map_value(signed):
   np.testing.assert_array_equal(np.asarray(_encode(jnp.asarray(table), signed)), np.arange(256))
 
 
+def _block_absmax(x: np.ndarray) -> np.ndarray:
+  """The absmax of each block of `quant.BLOCK` elements of ``x``, row-major, zero-padded."""
+  flat = np.pad(x.ravel(), (0, -x.size % quant.BLOCK)).reshape(-1, quant.BLOCK)
+  return np.abs(flat).max(axis=1)
+
+
 @given(
     shape=st.sampled_from([(1,), (7,), (256,), (257,), (3, 300), (2, 3, 128), (5000,)]),
     signed=st.booleans(),
@@ -87,8 +93,7 @@ def test_blockwise_error_is_within_the_map_bound(shape, signed, seed, log_scale)
   q = quant.quantize(jnp.asarray(x), signed=signed)
   assert q.codes.shape == shape and q.codes.dtype == jnp.uint8
   assert q.scales.shape == quant.scales_shape(shape) and q.scales.dtype == jnp.float32
-  flat = np.pad(x.ravel(), (0, -x.size % quant.BLOCK)).reshape(-1, quant.BLOCK)
-  absmax = np.abs(flat).max(axis=1)
+  absmax = _block_absmax(x)
   np.testing.assert_array_equal(np.asarray(q.scales).ravel(), absmax)
   block_absmax = np.repeat(absmax, quant.BLOCK)[: x.size]
   table = quant.map_values(signed)
@@ -179,8 +184,7 @@ def test_fp8_blockwise_error_is_within_e4m3_rounding(shape, signed, seed, log_sc
     x = np.abs(x)
   q = quant.quantize(jnp.asarray(x), signed=signed, fmt="fp8")
   assert isinstance(q, quant.Fp8Blockwise) and q.codes.dtype == jnp.float8_e4m3fn
-  flat = np.pad(x.ravel(), (0, -x.size % quant.BLOCK)).reshape(-1, quant.BLOCK)
-  absmax = np.repeat(np.abs(flat).max(axis=1), quant.BLOCK)[: x.size]
+  absmax = np.repeat(_block_absmax(x), quant.BLOCK)[: x.size]
   bound = np.maximum(2**-4 * np.abs(x.ravel()), 2**-10 * absmax / 448) + 2**-22 * absmax
   err = np.abs(np.asarray(quant.dequantize(q, signed=signed)).ravel() - x.ravel())
   np.testing.assert_array_less(err, bound + 1e-30)
