@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from bench import harness  # noqa: E402
-from pallasopt.optim.stage_local import AdamWConfig, SchedulerConfig, create_optimizer  # noqa: E402
+from pallasopt.optim import AdamWConfig, OptimizerFactory, SchedulerConfig  # noqa: E402
 from pallasopt.pipeline.circular import circular_pipeline  # noqa: E402
 from pallasopt.pipeline.layout import layers_to_stages  # noqa: E402
 from pallasopt.pipeline.schedule import CircularSchedule  # noqa: E402
@@ -111,8 +111,8 @@ def measure(cfg: Config) -> list[dict]:
   rows = []
   for m in cfg.microbatches:
     schedule = CircularSchedule(cfg.stages, m, cfg.repeats, streamed_io=cfg.streamed_io)
-    tx, _ = create_optimizer("adamw", AdamWConfig(), SchedulerConfig(learning_rate=1e-3),
-                             clip_grad=1.0, stacked_axes=schedule.stacked_axes)
+    tx, _ = OptimizerFactory.create("adamw", SchedulerConfig(learning_rate=1e-3), AdamWConfig(),
+                                    clip_grad=1.0, stacked_axes=schedule.stacked_axes)
     step = make_train_step(block, mse, tx, mesh=mesh, schedule=schedule)
     key = jax.random.PRNGKey(0)
     layers = init_layers(key, schedule.num_layers, cfg.hidden)

@@ -232,9 +232,12 @@ def _momentum(s: KronScalars, g, mu):
   return mu / s.bias_correction, mu
 
 
-def _clip_and_finish(s: KronScalars, x, sum_sq, count: int, p, *, mode: str, decay: bool):
+def _clip_and_finish(
+    s: KronScalars, x, sum_sq, count: int, p, *, mode: str, decay: bool, rms_clip: bool = True
+):
   """RMS clip of the preconditioned layer, then decay, learning rate, apply."""
-  x = x / jnp.maximum(1.0, jnp.sqrt(sum_sq / count) / RMS_CLIP)
+  if rms_clip:
+    x = x / jnp.maximum(1.0, jnp.sqrt(sum_sq / count) / RMS_CLIP)
   if mode == "precond":
     return x
   u = -s.learning_rate * ((x + s.weight_decay * p) if decay else x)
@@ -333,6 +336,7 @@ def _out_dtype(mode: str, g, mu, p, qs):
 def kron_precondition_reference(
     g, mu, p, qs: Sequence[jax.Array], scalars: KronScalars, *, mode: str,
     decay: bool = False, precision: str | None = None, map_batch_size: int | None = None,
+    rms_clip: bool = True,
 ):
   """Kernel (a) in jnp: momentum, preconditioning, RMS clip, decay, lr, apply.
 
@@ -351,6 +355,8 @@ def kron_precondition_reference(
     precision: matmul precision, as psgd_jax's ``precond_grads_precision``.
     map_batch_size: None vmaps over the layers; an int runs them with
       ``lax.map`` in chunks of that many (psgd's ``lax_map_scanned_layers``).
+    rms_clip: clip each layer to RMS `RMS_CLIP` (psgd_jax's); False leaves
+      :math:`PG` as it is (White-Kron clips whole leaves of many blocks).
 
   Returns:
     ``(out, new_mu)``; ``new_mu`` is None without momentum.
@@ -365,7 +371,9 @@ def kron_precondition_reference(
     m_hat, new_mu = _momentum(s, g, mu)
     with jax.default_matmul_precision(precision):
       x = _precondition_layer(m_hat, qs)
-    out = _clip_and_finish(s, x, jnp.sum(x * x), count, p, mode=mode, decay=decay)
+    out = _clip_and_finish(
+        s, x, jnp.sum(x * x), count, p, mode=mode, decay=decay, rms_clip=rms_clip
+    )
     return out, new_mu
 
   out, new_mu = map_layers(layer, (f32(g), f32(mu), f32(p), *qs), map_batch_size)
@@ -500,7 +508,7 @@ def _factor_stack(q, side: str):
 
 def _precondition_body(
     scalar_ref, *refs, names, view: _View, count: int, mode: str, decay: bool,
-    precision, num_outputs: int,
+    precision, num_outputs: int, rms_clip: bool,
 ):
   ins = dict(zip(names, refs[: len(names)]))
   outs = refs[len(names):]
@@ -520,7 +528,8 @@ def _precondition_body(
   else:
     x = x * qr * qr
   out = _clip_and_finish(
-      s, x, _reduce_all(jnp.sum, x * x), count, load("p"), mode=mode, decay=decay
+      s, x, _reduce_all(jnp.sum, x * x), count, load("p"), mode=mode, decay=decay,
+      rms_clip=rms_clip,
   )
   outs[0][...] = out.astype(outs[0].dtype)
   if num_outputs == 2:
@@ -530,7 +539,7 @@ def _precondition_body(
 def kron_precondition_kernel(
     g, mu, p, qs: Sequence[jax.Array], scalars: KronScalars, *, mode: str,
     decay: bool = False, precision: str | None = None, map_batch_size: int | None = None,
-    backend: str, interpret: bool = False,
+    rms_clip: bool = True, backend: str, interpret: bool = False,
 ):
   """Pallas kernel (a); same signature and results as the reference.
 
@@ -551,7 +560,7 @@ def kron_precondition_kernel(
   if not _fits(view, backend):
     return kron_precondition_reference(
         g, mu, p, qs, scalars, mode=mode, decay=decay, precision=precision,
-        map_batch_size=map_batch_size,
+        map_batch_size=map_batch_size, rms_clip=rms_clip,
     )
   dims = (view.rows, view.cols)
   as_block = lambda x: _matrix.pad_stack(x.reshape(g2.shape), dims)
@@ -582,6 +591,7 @@ def kron_precondition_kernel(
   kernel = functools.partial(
       _precondition_body, names=names, view=view, count=math.prod(layer_shape),
       mode=mode, decay=decay, precision=precision, num_outputs=len(out_dtypes),
+      rms_clip=rms_clip,
   )
   outs = pl.pallas_call(
       kernel,
@@ -605,13 +615,13 @@ def kron_precondition_kernel(
 def kron_precondition(
     g, mu, p, qs: Sequence[jax.Array], scalars: KronScalars, *, mode: str,
     decay: bool = False, precision: str | None = None,
-    map_batch_size: int | None = None, impl: str = "auto",
+    map_batch_size: int | None = None, rms_clip: bool = True, impl: str = "auto",
 ):
   """Kernel (a) as ``impl`` asks; see `kron_precondition_reference`."""
   fn = dispatch(kron_precondition_reference, kron_precondition_kernel, impl)
   return fn(
       g, mu, p, list(qs), scalars, mode=mode, decay=decay, precision=precision,
-      map_batch_size=map_batch_size,
+      map_batch_size=map_batch_size, rms_clip=rms_clip,
   )
 
 

@@ -15,16 +15,18 @@ pallasopt              counterpart
 `adafactor`            ``optax.adafactor``
 `muon`                 ``optax.contrib.muon``
 `kron`                 psgd_jax 0.2.9 ``kron``
+`quad`, `skew`         eFormer's White-Kron ``quad``, ``skew``
 =====================  ======================================
 
-The stage-local layer (`create_optimizer`,
-`StageLocalGradientTransformation.apply_gradients_stage_local`, configs and
-registries) updates one pipeline stage's params from its own gradients with the
-same fused kernels.
+eFormer's factory layer (`OptimizerFactory`, `SchedulerFactory`, the
+builder classes, `register_optimizer` / `register_scheduler` and the configs)
+builds them with eFormer's calls, chain and state tree; the stage-local layer
+(`StageLocalGradientTransformation.apply_gradients_stage_local`) updates one
+pipeline stage's params from its own gradients with the same fused kernels.
 
-Low-bit state: `adamw`, `nadamw` and `lion` take ``state_format="bf16"`` or
-``"int8"`` (moments in bfloat16 with stochastic rounding, or 8-bit blockwise
-codes) and ``param_rounding="stochastic"`` for bfloat16 params;
+Low-bit state: the elementwise optimizers take ``state_format="bf16"``,
+``"int8"`` or ``"fp8"`` (moments in bfloat16 with stochastic rounding, or
+blockwise codes) and ``param_rounding="stochastic"`` for bfloat16 params;
 `convert_state` switches a state between formats.
 """
 
@@ -33,16 +35,45 @@ from pallasopt.optim._base import FusedGradientTransformation, apply_gradients
 from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
 from pallasopt.optim.adamw import adamw, nadamw
 from pallasopt.optim.configs import (
+    AdafactorConfig,
+    AdamWConfig,
+    KronConfig,
+    LionConfig,
     MarsConfig,
+    MuonConfig,
     RMSPropConfig,
+    SchedulerConfig,
+    ScionConfig,
     SerializationMixin,
-    create_scheduler,
+    SoapConfig,
+    WhiteKronConfig,
+)
+from pallasopt.optim.factory import (
+    AdafactorOptimizer,
+    AdamWOptimizer,
+    ConstantSchedulerBuilder,
+    CosineSchedulerBuilder,
+    KronOptimizer,
+    LinearSchedulerBuilder,
+    LionOptimizer,
+    MarsOptimizer,
+    MuonOptimizer,
+    OptimizerBuilder,
+    OptimizerFactory,
+    QuadOptimizer,
+    RMSPropOptimizer,
+    SchedulerBuilder,
+    SchedulerFactory,
+    SkewOptimizer,
+    register_optimizer,
+    register_scheduler,
 )
 from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_schedule, scale_by_kron
 from pallasopt.optim.lion import lion
 from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
 from pallasopt.optim.rmsprop import rmsprop
 from pallasopt.optim.state_formats import convert_state
+from pallasopt.optim.white_kron import quad, scale_by_quad, scale_by_skew, skew
 from pallasopt.optim.muon import (
     MUON_STATIC_ARGS,
     MuonDimensionNumbers,
@@ -50,21 +81,17 @@ from pallasopt.optim.muon import (
     MuonState,
     muon,
 )
+from pallasopt.optim.scheduled_decay import (
+    OptaxScheduledWeightDecayState,
+    add_scheduled_weight_decay,
+    optax_add_scheduled_weight_decay,
+)
 from pallasopt.optim.stage_local import (
-    AdafactorConfig,
-    AdamWConfig,
-    KronConfig,
-    LionConfig,
-    MuonConfig,
-    SchedulerConfig,
     StageLocalGradientTransformation,
     StageLocalOptimizerMetadata,
-    create_optimizer,
     fused_stage_local_apply,
     make_stage_local_gradient_transformation,
     make_unsupported_stage_local_gradient_transformation,
-    register_optimizer,
-    register_scheduler,
     stage_local_grad_norm,
 )
 
@@ -86,6 +113,10 @@ __all__ = [
     "scale_by_mars",
     "ScaleByMarsState",
     "scale_by_kron",
+    "quad",
+    "skew",
+    "scale_by_quad",
+    "scale_by_skew",
     "ADAFACTOR_STATIC_ARGS",
     "precond_update_prob_schedule",
     "KRON_STATIC_ARGS",
@@ -93,7 +124,28 @@ __all__ = [
     "MuonDimensionNumbers",
     "MuonSecondMomentState",
     "MuonState",
-    # Stage-local layer.
+    "add_scheduled_weight_decay",
+    "optax_add_scheduled_weight_decay",
+    "OptaxScheduledWeightDecayState",
+    # eFormer's factory layer.
+    "OptimizerFactory",
+    "SchedulerFactory",
+    "OptimizerBuilder",
+    "SchedulerBuilder",
+    "register_optimizer",
+    "register_scheduler",
+    "AdamWOptimizer",
+    "AdafactorOptimizer",
+    "LionOptimizer",
+    "RMSPropOptimizer",
+    "MuonOptimizer",
+    "MarsOptimizer",
+    "KronOptimizer",
+    "QuadOptimizer",
+    "SkewOptimizer",
+    "ConstantSchedulerBuilder",
+    "LinearSchedulerBuilder",
+    "CosineSchedulerBuilder",
     "AdafactorConfig",
     "AdamWConfig",
     "KronConfig",
@@ -101,16 +153,16 @@ __all__ = [
     "MarsConfig",
     "MuonConfig",
     "RMSPropConfig",
+    "WhiteKronConfig",
+    "SoapConfig",
+    "ScionConfig",
     "SerializationMixin",
     "SchedulerConfig",
+    # Stage-local layer.
     "StageLocalGradientTransformation",
     "StageLocalOptimizerMetadata",
-    "create_optimizer",
-    "create_scheduler",
     "fused_stage_local_apply",
     "make_stage_local_gradient_transformation",
     "make_unsupported_stage_local_gradient_transformation",
-    "register_optimizer",
-    "register_scheduler",
     "stage_local_grad_norm",
 ]

@@ -3,9 +3,16 @@
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
-__all__ = ["FusedGradientTransformation", "apply_gradients", "fused_transformation"]
+__all__ = [
+    "FusedGradientTransformation",
+    "apply_gradients",
+    "fused_transformation",
+    "chained_transformation",
+]
 
 ApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
 
@@ -25,17 +32,26 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
   norm clipping factor) multiplies the gradients inside the kernel;
   ``learning_rate`` (a scalar) replaces the transform's learning rate or
   schedule value for this step. Prefer the module-level `apply_gradients`,
-  which also accepts transforms that are not fused.
+  which also accepts transforms that are not fused. And::
+
+    scaled_update(grads, opt_state, params=None, *, grad_scale=None,
+                  learning_rate=None) -> (updates, opt_state)
+
+  is ``update`` with the same two options, for a step whose updates go
+  through another transform before they are applied (the factory's
+  scheduled weight decay); None when the transform does not provide it.
   """
 
   # A NamedTuple subclass cannot add fields without breaking the
   # ``init, update = tx`` unpacking that optax.chain relies on, so the fused
   # path is an instance attribute.
   apply_gradients: ApplyFn
+  scaled_update: ApplyFn | None
 
-  def __new__(cls, init, update, apply_gradients: ApplyFn):
+  def __new__(cls, init, update, apply_gradients: ApplyFn, scaled_update: ApplyFn | None = None):
     self = super().__new__(cls, init, update)
     self.apply_gradients = apply_gradients
+    self.scaled_update = scaled_update
     return self
 
 
@@ -47,10 +63,9 @@ def fused_transformation(
   Args:
     init_fn: Optax ``init``.
     step: ``step(grads, state, params, mode, grad_scale, learning_rate) ->
-      (first, new_state)``: ``mode="updates"`` (``params`` may be None;
-      ``grad_scale`` and ``learning_rate`` are None) returns Optax updates,
-      ``mode="apply"`` returns the new params. None ``grad_scale`` means 1,
-      None ``learning_rate`` means the transform's own.
+      (first, new_state)``: ``mode="updates"`` (``params`` may be None)
+      returns Optax updates, ``mode="apply"`` returns the new params. None
+      ``grad_scale`` means 1, None ``learning_rate`` means the transform's own.
   """
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -60,7 +75,47 @@ def fused_transformation(
   def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
     return step(grads, state, params, "apply", grad_scale, learning_rate)
 
-  return FusedGradientTransformation(init_fn, update_fn, apply_fn)
+  def scaled_update_fn(grads, state, params=None, *, grad_scale=None, learning_rate=None):
+    return step(grads, state, params, "updates", grad_scale, learning_rate)
+
+  return FusedGradientTransformation(init_fn, update_fn, apply_fn, scaled_update_fn)
+
+
+def chained_transformation(
+    scaling: optax.GradientTransformation,
+    decay: optax.GradientTransformation | None,
+    learning_rate: optax.ScalarOrSchedule,
+) -> FusedGradientTransformation:
+  """``optax.chain(scaling, [decay], scale_by_learning_rate(learning_rate))``
+  with the fused entry points.
+
+  For optimizers whose scaling is not one elementwise kernel (it runs its own
+  kernels inside): ``apply_gradients`` and ``scaled_update`` run the chain
+  on ``grad_scale * grads`` with ``learning_rate`` (when given) in place of
+  the schedule's value, advancing its counter as the chain does; the state is
+  the chain's.
+  """
+  lr_tx = optax.scale_by_learning_rate(learning_rate)
+  links = [scaling] + ([] if decay is None else [decay])
+  chain = optax.chain(*links, lr_tx)
+
+  def step(grads, state, params, mode, grad_scale, learning_rate_now):
+    if grad_scale is not None:
+      grads = jax.tree.map(lambda g: (g * grad_scale).astype(g.dtype), grads)
+    *link_states, lr_state = state
+    updates, new_states = grads, []
+    for tx, link_state in zip(links, link_states, strict=True):
+      updates, link_state = tx.update(updates, link_state, params)
+      new_states.append(link_state)
+    if learning_rate_now is None:
+      updates, lr_state = lr_tx.update(updates, lr_state, params)
+    else:
+      updates = jax.tree.map(lambda u: jnp.asarray(-learning_rate_now, u.dtype) * u, updates)
+      lr_state = advance_schedule(lr_state)
+    first = optax.apply_updates(params, updates) if mode == "apply" else updates
+    return first, (*new_states, lr_state)
+
+  return fused_transformation(chain.init, step)
 
 
 def apply_gradients(

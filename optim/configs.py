@@ -1,10 +1,10 @@
-"""Optimizer and scheduler configs, and the registries that build them.
+"""Optimizer and scheduler configs: eFormer's fields, mutable and serializable.
 
-The names and semantics follow eFormer's ``eformer.optimizers`` (``AdamWConfig``,
-``SchedulerConfig``, ``register_optimizer``, ...), so a config written for
-eFormer builds the same optimizer here, backed by pallasopt's fused kernels.
-`pallasopt.optim.stage_local.create_optimizer` turns a registered name and its
-config into a (stage-local) Optax transform and its learning-rate schedule.
+The names, fields (in order) and defaults follow eFormer's
+``eformer.optimizers`` (0.0.101), so a config written for eFormer builds the
+same optimizer through `pallasopt.optim.OptimizerFactory`, backed by
+pallasopt's fused kernels. pallasopt's own options (low-bit state, ...) are
+extra fields after eFormer's.
 
 Configs are mutable dataclasses with eFormer's serialization (`SerializationMixin`:
 ``to_dict``, ``from_dict``, ``to_json``, ``from_json``): a dict eFormer's
@@ -12,22 +12,20 @@ Configs are mutable dataclasses with eFormer's serialization (`SerializationMixi
 are ignored with a warning, as eFormer does), and ``to_json`` writes dtypes by
 name where eFormer's ``json.dumps`` fails on them.
 
-A config holds only the optimizer's own hyperparameters; the learning rate
-comes from a `SchedulerConfig`, and weight decay, its mask, gradient clipping,
-accumulation and ``stacked_axes`` are arguments of ``create_optimizer``.
-Each field is passed to the optimizer's factory under its own name, so the
-fields are those of the Optax (or psgd_jax) signature the factory mirrors.
+A config holds the optimizer's own hyperparameters; the learning rate comes
+from a `SchedulerConfig`, and the factory's scheduled weight decay, its mask,
+gradient clipping, accumulation and ``stacked_axes`` are arguments of
+``OptimizerFactory.create``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,13 +40,10 @@ __all__ = [
     "AdafactorConfig",
     "MuonConfig",
     "KronConfig",
+    "WhiteKronConfig",
+    "SoapConfig",
+    "ScionConfig",
     "SchedulerConfig",
-    "OptimizerBuilder",
-    "SchedulerBuilder",
-    "register_optimizer",
-    "register_scheduler",
-    "optimizer_builder",
-    "create_scheduler",
 ]
 
 _OWNER = "pallasopt.optim.configs"
@@ -137,6 +132,11 @@ class LionConfig(SerializationMixin):
     b1: interpolation between momentum and gradient for the update sign.
     b2: decay of the momentum.
     mu_dtype: dtype of the momentum (None: the params' dtype).
+    weight_decay: Lion's own decoupled weight decay, scaled by the learning
+      rate, on every leaf. eFormer's Lion builder leaves ``optax.lion``'s
+      default 1e-3 in place (on top of the factory's ``weight_decay`` link),
+      so runs trained with eFormer used it; 1e-3 here reproduces them, 0
+      turns it off.
     state_format: storage of the momentum: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
     param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
     seed: seed of the stochastic roundings (None: 0).
@@ -145,6 +145,7 @@ class LionConfig(SerializationMixin):
   b1: float = 0.9
   b2: float = 0.99
   mu_dtype: Any = None
+  weight_decay: float = 1e-3
   state_format: str | None = None
   param_rounding: str = "nearest"
   seed: int | None = None
@@ -165,6 +166,7 @@ class RMSPropConfig(SerializationMixin):
     eps: added inside the square root.
     centered: subtract the squared mean gradient (not in eFormer's).
     state_format: storage of the state: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
+    param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
     seed: seed of the stochastic roundings (None: 0).
   """
 
@@ -175,6 +177,7 @@ class RMSPropConfig(SerializationMixin):
   eps: float = 1e-8
   centered: bool = False
   state_format: str | None = None
+  param_rounding: str = "nearest"
   seed: int | None = None
 
 
@@ -194,6 +197,9 @@ class MarsConfig(SerializationMixin):
     epsilon: added to the denominator.
     max_grad_norm: global-norm clip of the variance-reduced gradient (None
       or 0: off).
+    state_format: storage of the moments: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
+    param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
+    seed: seed of the stochastic roundings (None: 0).
   """
 
   weight_decay: float = 0.1
@@ -202,15 +208,18 @@ class MarsConfig(SerializationMixin):
   gamma: float = 0.025
   epsilon: float = 1e-8
   max_grad_norm: float | None = 1.0
+  state_format: str | None = None
+  param_rounding: str = "nearest"
+  seed: int | None = None
 
 
 @dataclasses.dataclass
 class AdafactorConfig(SerializationMixin):
   """Hyperparameters of `pallasopt.optim.adafactor` (as ``optax.adafactor``).
 
-  ``weight_decay_rate`` is eFormer's field; set it or ``create_optimizer``'s
-  ``weight_decay``, not both. As in ``optax.adafactor`` it is *not*
-  multiplied by the learning rate.
+  ``weight_decay_rate`` is Adafactor's own decay (as in ``optax.adafactor``,
+  *not* multiplied by the learning rate); the factory's ``weight_decay`` is a
+  separate link after it, scaled by the learning rate.
 
   Attributes:
     min_dim_size_to_factor: only dims at least this large are factored.
@@ -246,9 +255,10 @@ class MuonConfig(SerializationMixin):
   """Hyperparameters of `pallasopt.optim.muon` (as ``optax.contrib.muon``).
 
   ``weight_decay`` and ``weight_decay_mask`` (eFormer's fields) decay the
-  matrices Muon orthogonalizes; set them here or with ``create_optimizer``'s
-  arguments, not both. The leaves Muon hands to its AdamW fallback decay by
-  ``adam_weight_decay``, unmasked, as in Optax.
+  matrices Muon orthogonalizes, inside Muon; the factory's ``weight_decay`` is
+  a separate link after it, on every leaf it masks. The leaves Muon hands to
+  its AdamW fallback decay by ``adam_weight_decay``, unmasked, as in Optax
+  (eFormer's builder does not pass this field; its default, 0, is Optax's).
 
   Attributes:
     ns_coeffs: Newton-Schulz polynomial coefficients (or an Optax preset name).
@@ -292,7 +302,7 @@ class KronConfig(SerializationMixin):
 
   A field left at None is not passed, so the optimizer's own default applies
   (e.g. psgd_jax's annealed preconditioner-update probability). Stacked
-  layers are described by ``create_optimizer``'s ``stacked_axes``, which
+  layers are described by ``OptimizerFactory.create``'s ``stacked_axes``, which
   generalises psgd_jax's ``scanned_layers``.
 
   Attributes:
@@ -325,6 +335,118 @@ class KronConfig(SerializationMixin):
   precond_grads_precision: str | None = None
 
 
+@dataclasses.dataclass
+class WhiteKronConfig(SerializationMixin):
+  """eFormer's White-Kron config (its ``quad`` and ``skew`` optimizers), its
+  fields and defaults.
+
+  Attributes:
+    lr_style: ``"adam"`` scales updates to Adam's RMS; None leaves them.
+    b1: momentum decay.
+    normalize_grads: normalize each gradient leaf before the momentum.
+    max_size_dense: largest dim that gets a dense factor (larger: diagonal).
+    preconditioner_lr: step size of the preconditioner update.
+    preconditioner_init_scale: initial scale of the factors.
+    dtype: dtype of the preconditioner math.
+    scanned_layers: which leaves stack layers (a tree of bools).
+    block_size: size of the blocks large dims are split into.
+    pipeline_axis_name: mesh axis of a pipeline the factors shard over.
+    pipeline_axis_size: size of that axis.
+    params_partition_specs: the params' partition specs.
+    noise_scale: scale of the noise added to the preconditioner update.
+    weight_decay: the optimizer's own decoupled weight decay.
+    weight_decay_mask: which leaves it decays (None: all).
+  """
+
+  lr_style: str | None = "adam"
+  b1: float = 0.95
+  normalize_grads: bool = False
+  max_size_dense: int = 16384
+  preconditioner_lr: float = 0.7
+  preconditioner_init_scale: float = 1.0
+  dtype: Any = jnp.bfloat16
+  scanned_layers: Any = None
+  block_size: int = 256
+  pipeline_axis_name: str | None = None
+  pipeline_axis_size: int = 1
+  params_partition_specs: Any = None
+  noise_scale: float = 1e-9
+  weight_decay: float = 0.1
+  weight_decay_mask: Any = None
+
+
+@dataclasses.dataclass
+class SoapConfig(SerializationMixin):
+  """eFormer's SOAP config, its fields and defaults. A config only: eFormer
+  registers no optimizer for it, and neither do we; it round-trips.
+
+  Attributes:
+    weight_decay: decoupled weight decay.
+    beta1: first-moment decay.
+    beta2: second-moment decay.
+    shampoo_beta: decay of the Shampoo statistics.
+    epsilon: added to the denominator.
+    max_grad_norm: global-norm clip (None: off).
+    preconditioner_lr: step size of the preconditioner update.
+    preconditioner_init_scale: initial scale of the preconditioner.
+    mu_dtype: dtype of the momentum.
+    precond_dtype: dtype of the preconditioner.
+    precond_update_precision: matmul precision of the preconditioner update.
+    precond_grads_precision: matmul precision of preconditioning.
+    lax_map_scanned_layers: map stacked layers with ``lax.map``.
+    lax_map_batch_size: batch size of that map.
+    merge_small_dims: merge small dims before preconditioning.
+    target_merged_dim_size: target size of merged dims.
+    partition_grads_into_blocks: split large dims into blocks.
+    block_size: size of those blocks.
+  """
+
+  weight_decay: float = 0.0
+  beta1: float = 0.95
+  beta2: float = 0.95
+  shampoo_beta: float = 0.95
+  epsilon: float = 1e-8
+  max_grad_norm: float | None = 1.0
+  preconditioner_lr: float = 0.1
+  preconditioner_init_scale: float = 1.0
+  mu_dtype: Any = None
+  precond_dtype: Any = None
+  precond_update_precision: str | None = "tensorfloat32"
+  precond_grads_precision: str | None = None
+  lax_map_scanned_layers: bool = False
+  lax_map_batch_size: int = 8
+  merge_small_dims: bool = True
+  target_merged_dim_size: int = 8192
+  partition_grads_into_blocks: bool = True
+  block_size: int = 256
+
+
+@dataclasses.dataclass
+class ScionConfig(SerializationMixin):
+  """eFormer's Scion config (Pethick et al., `Training Deep Learning Models with
+  Norm-Constrained LMOs <https://arxiv.org/abs/2502.07529>`_, 2025), its fields
+  and defaults. A config only: eFormer registers no optimizer for it, and
+  neither do we; it round-trips.
+
+  Attributes:
+    momentum: momentum of both the spectral and the sign updates.
+    backend_steps: Newton-Schulz iterations.
+    beta1: first-moment decay of the sign update.
+    epsilon: numerical-stability constant.
+    unconstrained: the unconstrained variant.
+    spectral_radius: scale of the spectral update.
+    sign_radius: scale of the sign update.
+  """
+
+  momentum: float = 0.95
+  backend_steps: int = 10
+  beta1: float = 0.9
+  epsilon: float = 1e-8
+  unconstrained: bool = False
+  spectral_radius: float = 50
+  sign_radius: float = 3000
+
+
 # ---- Scheduler config. ----
 
 
@@ -348,8 +470,8 @@ class SchedulerConfig(SerializationMixin):
     1e-8 up to ``learning_rate`` in :math:`W` steps, then down to
     ``learning_rate_end`` (default 0) by step :math:`S`, with ``exponent``;
     without, ``optax.cosine_decay_schedule`` over :math:`S` steps with
-    ``alpha = learning_rate_end / learning_rate`` (``exponent`` applies here
-    too; eFormer ignores it in this case).
+    ``alpha = learning_rate_end / learning_rate``; eFormer ignores
+    ``exponent`` there, and so do we, with a warning when it is not 1.
 
   Attributes:
     scheduler_type: the registered name, or None for a constant schedule.
@@ -375,8 +497,8 @@ class SchedulerConfig(SerializationMixin):
     self.check()
 
   def check(self) -> None:
-    """Raises ValueError for an inconsistent config (also run by `create_scheduler`,
-    since the config is mutable, as eFormer's is)."""
+    """Raises ValueError for an inconsistent config (run again when a schedule
+    is built, since the config is mutable, as eFormer's is)."""
     where = f"{_OWNER}.SchedulerConfig"
     if not isinstance(self.learning_rate, (int, float)) or not math.isfinite(self.learning_rate):
       raise ValueError(
@@ -401,247 +523,3 @@ class SchedulerConfig(SerializationMixin):
         raise ValueError(
             f"{where}: warmup_steps ({self.warmup_steps}) must be less than steps ({self.steps})."
         )
-
-
-# ---- Registries. ----
-
-OptimizerBuilder = Callable[..., optax.GradientTransformation]
-"""``builder(config, learning_rate, *, weight_decay, weight_decay_mask,
-stacked_axes, impl) -> optax.GradientTransformation``.
-
-Return a `pallasopt.optim.FusedGradientTransformation` to get the fused
-stage-local path; any other transform still works through ``update``.
-"""
-
-SchedulerBuilder = Callable[[SchedulerConfig], optax.Schedule]
-"""``builder(config) -> optax.Schedule``."""
-
-
-class _Entry(NamedTuple):
-  config_cls: type
-  builder: OptimizerBuilder
-
-
-_OPTIMIZERS: dict[str, _Entry] = {}
-_SCHEDULERS: dict[str, SchedulerBuilder] = {}
-
-
-def _check_name(name: Any) -> None:
-  if not isinstance(name, str) or not name:
-    raise TypeError(f"{_OWNER}: a registered name must be a non-empty str; got {name!r}.")
-
-
-def register_optimizer(name: str, config_cls: type, builder: OptimizerBuilder | None = None):
-  """Registers (or replaces) the optimizer `name` for ``create_optimizer``.
-
-  Usable directly or as a decorator of the builder::
-
-    @register_optimizer("sgd", SGDConfig)
-    def build_sgd(config, learning_rate, *, weight_decay, weight_decay_mask,
-                  stacked_axes, impl):
-      return optax.sgd(learning_rate, momentum=config.momentum)
-
-  Args:
-    name: the ``optimizer_type`` that selects it.
-    config_cls: the dataclass of its hyperparameters; ``create_optimizer``
-      instantiates it with no arguments when no config is given.
-    builder: an `OptimizerBuilder`. It receives the config, the learning-rate
-      schedule and ``create_optimizer``'s ``weight_decay``,
-      ``weight_decay_mask``, ``stacked_axes`` and ``impl``.
-
-  Returns:
-    `builder` (or, without it, a decorator that registers its argument).
-  """
-  _check_name(name)
-  if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
-    raise TypeError(
-        f"{_OWNER}: config_cls of {name!r} must be a dataclass type; got {config_cls!r}."
-    )
-
-  def register(fn: OptimizerBuilder) -> OptimizerBuilder:
-    if not callable(fn):
-      raise TypeError(f"{_OWNER}: the builder of {name!r} must be callable; got {fn!r}.")
-    _OPTIMIZERS[name] = _Entry(config_cls, fn)
-    return fn
-
-  return register if builder is None else register(builder)
-
-
-def register_scheduler(name: str, builder: SchedulerBuilder | None = None):
-  """Registers (or replaces) the scheduler `name` (a ``scheduler_type``).
-
-  Args:
-    name: the ``SchedulerConfig.scheduler_type`` that selects it.
-    builder: ``builder(config: SchedulerConfig) -> optax.Schedule``.
-
-  Returns:
-    `builder` (or, without it, a decorator that registers its argument).
-  """
-  _check_name(name)
-
-  def register(fn: SchedulerBuilder) -> SchedulerBuilder:
-    if not callable(fn):
-      raise TypeError(f"{_OWNER}: the builder of scheduler {name!r} must be callable; got {fn!r}.")
-    _SCHEDULERS[name] = fn
-    return fn
-
-  return register if builder is None else register(builder)
-
-
-def optimizer_builder(optimizer_type: str) -> tuple[type, OptimizerBuilder]:
-  """The ``(config_cls, builder)`` registered as `optimizer_type`.
-
-  Raises:
-    ValueError: an unknown name; the message lists the registered ones.
-  """
-  if optimizer_type not in _OPTIMIZERS:
-    raise ValueError(
-        f"{_OWNER}: unknown optimizer_type {optimizer_type!r}; registered optimizers are "
-        f"{sorted(_OPTIMIZERS)} (add one with register_optimizer)."
-    )
-  return tuple(_OPTIMIZERS[optimizer_type])
-
-
-def create_scheduler(config: SchedulerConfig) -> optax.Schedule:
-  """The learning-rate schedule `config` describes.
-
-  Raises:
-    ValueError: an unknown ``scheduler_type`` (the message lists the
-      registered ones) or a config its scheduler cannot build.
-    TypeError: `config` is not a `SchedulerConfig`.
-  """
-  if not isinstance(config, SchedulerConfig):
-    raise TypeError(
-        f"{_OWNER}: scheduler_config must be a SchedulerConfig; got {type(config).__name__}."
-    )
-  config.check()
-  name = config.scheduler_type or "constant"
-  if name not in _SCHEDULERS:
-    raise ValueError(
-        f"{_OWNER}: unknown scheduler_type {name!r}; registered schedulers are "
-        f"{sorted(_SCHEDULERS)} (add one with register_scheduler)."
-    )
-  return _SCHEDULERS[name](config)
-
-
-# ---- Built-in schedulers (eFormer's definitions). ----
-
-_WARMUP_START = 1e-8
-
-
-@register_scheduler("constant")
-def _constant(config: SchedulerConfig) -> optax.Schedule:
-  return optax.constant_schedule(config.learning_rate)
-
-
-@register_scheduler("linear")
-def _linear(config: SchedulerConfig) -> optax.Schedule:
-  if config.learning_rate_end is None:
-    raise ValueError(f"{_OWNER}: the 'linear' scheduler needs learning_rate_end.")
-  warmup = config.warmup_steps or 0
-  decay = optax.linear_schedule(
-      config.learning_rate, config.learning_rate_end, config.steps - warmup
-  )
-  if not warmup:
-    return decay
-  ramp = optax.linear_schedule(_WARMUP_START, config.learning_rate, warmup)
-  return optax.join_schedules([ramp, decay], [warmup])
-
-
-@register_scheduler("cosine")
-def _cosine(config: SchedulerConfig) -> optax.Schedule:
-  if config.warmup_steps:
-    return optax.warmup_cosine_decay_schedule(
-        init_value=_WARMUP_START,
-        peak_value=config.learning_rate,
-        warmup_steps=config.warmup_steps,
-        decay_steps=config.steps,
-        end_value=config.learning_rate_end or 0.0,
-        exponent=config.exponent,
-    )
-  if config.learning_rate_end is None:
-    alpha = 0.0
-  elif config.learning_rate <= 0:
-    raise ValueError(
-        f"{_OWNER}: the 'cosine' scheduler needs learning_rate > 0 with learning_rate_end."
-    )
-  else:
-    alpha = config.learning_rate_end / config.learning_rate
-  return optax.cosine_decay_schedule(config.learning_rate, config.steps, alpha, config.exponent)
-
-
-# ---- Built-in optimizers: each builder imports its module when first used. ----
-
-
-def _set_weight_decay(
-    kwargs: dict[str, Any], config: Any, rate_key: str, rate: Any, mask_key: str, mask: Any
-) -> None:
-  """Puts ``create_optimizer``'s decay and mask into the factory's kwargs.
-
-  A config that has its own decay field (eFormer's Muon and Adafactor
-  configs) keeps it unless ``create_optimizer`` sets one too, which is an
-  error rather than a silent override.
-  """
-  name = type(config).__name__
-  own_rate, own_mask = kwargs.get(rate_key), kwargs.get(mask_key)
-  if rate is not None and not (isinstance(rate, (int, float)) and rate == 0):
-    if own_rate is not None and not (isinstance(own_rate, (int, float)) and own_rate == 0):
-      raise ValueError(
-          f"{_OWNER}: weight_decay={rate!r} and {name}.{rate_key}={own_rate!r} both set the "
-          "weight decay; set only one."
-      )
-    kwargs[rate_key] = rate
-  else:
-    kwargs.setdefault(rate_key, rate)
-  if mask is not None:
-    if own_mask is not None:
-      raise ValueError(
-          f"{_OWNER}: weight_decay_mask and {name}.{mask_key} are both set; set only one."
-      )
-    kwargs[mask_key] = mask
-  else:
-    kwargs.setdefault(mask_key, None)
-
-
-def _module_builder(
-    module: str, *, rate_key: str, mask_key: str, stacked: bool, omit_none: bool = False
-) -> OptimizerBuilder:
-  """A builder calling ``pallasopt.optim.<module>.<module>`` with the config's fields."""
-
-  def build(config, learning_rate, *, weight_decay, weight_decay_mask, stacked_axes, impl):
-    kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    if omit_none:
-      kwargs = {k: value for k, value in kwargs.items() if value is not None}
-    _set_weight_decay(kwargs, config, rate_key, weight_decay, mask_key, weight_decay_mask)
-    if stacked:
-      kwargs["stacked_axes"] = stacked_axes
-    factory = getattr(importlib.import_module(f"pallasopt.optim.{module}"), module)
-    return factory(learning_rate, **kwargs, impl=impl)
-
-  build.__name__ = f"build_{module}"
-  build.__doc__ = f"Builds `pallasopt.optim.{module}.{module}` from its config."
-  return build
-
-
-register_optimizer(
-    "adamw", AdamWConfig,
-    _module_builder("adamw", rate_key="weight_decay", mask_key="mask", stacked=False),
-)
-register_optimizer(
-    "lion", LionConfig,
-    _module_builder("lion", rate_key="weight_decay", mask_key="mask", stacked=False),
-)
-register_optimizer(
-    "adafactor", AdafactorConfig,
-    _module_builder("adafactor", rate_key="weight_decay_rate", mask_key="weight_decay_mask",
-                    stacked=True),
-)
-register_optimizer(
-    "muon", MuonConfig,
-    _module_builder("muon", rate_key="weight_decay", mask_key="weight_decay_mask", stacked=True),
-)
-register_optimizer(
-    "kron", KronConfig,
-    _module_builder("kron", rate_key="weight_decay", mask_key="weight_decay_mask", stacked=True,
-                    omit_none=True),
-)

@@ -538,4 +538,9 @@ def kron(
   def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None, layer_index_fn=None):
     return step(grads, state, params, "apply", grad_scale, learning_rate, layer_index_fn)
 
-  return FusedGradientTransformation(fused.init, fused.update, apply_fn)
+  def scaled_update_fn(
+      grads, state, params=None, *, grad_scale=None, learning_rate=None, layer_index_fn=None
+  ):
+    return step(grads, state, params, "updates", grad_scale, learning_rate, layer_index_fn)
+
+  return FusedGradientTransformation(fused.init, fused.update, apply_fn, scaled_update_fn)

@@ -719,36 +719,55 @@ def muon(
   def init_fn(params):
     return partition.init(params)
 
-  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
-    v.check_same_tree(_OWNER, "grads", grads, "params", params)
+  def fused_step(params, grads, state, mode, grad_scale, learning_rate):
+    """Both partitions: the AdamW part fused, the Muon part by its chain.
+
+    ``mode="apply"`` returns the new params, ``"updates"`` the updates.
+    """
+    if params is not None:
+      v.check_same_tree(_OWNER, "grads", grads, "params", params)
     labels = jax.tree.leaves(param_labels(grads))
-    treedef = jax.tree.structure(params)
+    treedef = jax.tree.structure(grads)
 
     def mask(tree, group):
+      if tree is None:
+        return None
       leaves = jax.tree.leaves(tree)
       return treedef.unflatten(
           [x if l == group else optax.MaskedNode() for x, l in zip(leaves, labels)]
       )
 
     inner = state.inner_states
-    adam_params, adam_state = adam_tx.apply_gradients(
-        mask(params, "adam"), mask(grads, "adam"), inner["adam"].inner_state,
-        grad_scale=grad_scale, learning_rate=learning_rate,
-    )
+    options = dict(grad_scale=grad_scale, learning_rate=learning_rate)
+    if mode == "apply":
+      adam_out, adam_state = adam_tx.apply_gradients(
+          mask(params, "adam"), mask(grads, "adam"), inner["adam"].inner_state, **options
+      )
+    else:
+      adam_out, adam_state = adam_tx.scaled_update(
+          mask(grads, "adam"), inner["adam"].inner_state, mask(params, "adam"), **options
+      )
     muon_grads = mask(grads, "muon")
     if grad_scale is not None:
       muon_grads = jax.tree.map(lambda g: (g * grad_scale).astype(g.dtype), muon_grads)
     muon_params = mask(params, "muon")
-    updates, muon_state = chain_update(
+    muon_out, muon_state = chain_update(
         muon_grads, inner["muon"].inner_state, muon_params, learning_rate
     )
-    muon_params = optax.apply_updates(muon_params, updates)
-    picked = {"adam": iter(jax.tree.leaves(adam_params)), "muon": iter(jax.tree.leaves(muon_params))}
-    new_params = treedef.unflatten([next(picked[l]) for l in labels])
+    if mode == "apply":
+      muon_out = optax.apply_updates(muon_params, muon_out)
+    picked = {"adam": iter(jax.tree.leaves(adam_out)), "muon": iter(jax.tree.leaves(muon_out))}
+    out = treedef.unflatten([next(picked[l]) for l in labels])
     new_state = type(state)(
         {"muon": optax.MaskedState(muon_state), "adam": optax.MaskedState(adam_state)}
     )
-    return new_params, new_state
+    return out, new_state
+
+  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
+    return fused_step(params, grads, state, "apply", grad_scale, learning_rate)
+
+  def scaled_update_fn(grads, state, params=None, *, grad_scale=None, learning_rate=None):
+    return fused_step(params, grads, state, "updates", grad_scale, learning_rate)
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is not None:
@@ -757,7 +776,7 @@ def muon(
       v.check_same_tree(_OWNER, "grads", updates, "opt_state mu", moment_arrays(_state_mu(state)))
     return partition.update(updates, state, params, **extra_args)
 
-  return FusedGradientTransformation(init_fn, update_fn, apply_fn)
+  return FusedGradientTransformation(init_fn, update_fn, apply_fn, scaled_update_fn)
 
 
 def _state_mu(state) -> Any:

@@ -8,19 +8,20 @@ computed them: no gather, and for global-norm clipping one scalar ``psum``.
 
 The API is eFormer's (``eformer.optimizers``): `StageLocalOptimizerMetadata`,
 `StageLocalGradientTransformation.apply_gradients_stage_local`,
-`make_stage_local_gradient_transformation`,
-`make_unsupported_stage_local_gradient_transformation` and the factory
-`create_optimizer`. Here the step runs pallasopt's fused kernels in place
+`make_stage_local_gradient_transformation` and
+`make_unsupported_stage_local_gradient_transformation`; the factory
+(`pallasopt.optim.OptimizerFactory`) attaches the path. Here the step runs
+pallasopt's fused kernels in place
 (``FusedGradientTransformation.apply_gradients``), the clip factor is applied
 inside the kernel, and gradient accumulation works on the stage-local path.
 
 Example, inside the pipeline's ``shard_map`` over the ``stage`` axis (with
 ``check_vma=False``, which Pallas calls inside ``shard_map`` need)::
 
-  tx, schedule = create_optimizer(
-      "adamw", AdamWConfig(b2=0.95),
+  tx, schedule = OptimizerFactory.create(
+      "adamw",
       SchedulerConfig("cosine", learning_rate=3e-4, warmup_steps=100, steps=10_000),
-      weight_decay=0.1, clip_grad=1.0, stacked_axes=1)
+      AdamWConfig(b2=0.95), weight_decay=0.1, clip_grad=1.0, stacked_axes=1)
   ...
   params, opt_state = tx.apply_gradients_stage_local(
       params=params, grads=grads, opt_state=opt_state, axis_name="stage")
@@ -41,21 +42,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.kernels import quant
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import FusedGradientTransformation
-from pallasopt.optim.configs import (
-    AdafactorConfig,
-    AdamWConfig,
-    KronConfig,
-    LionConfig,
-    MuonConfig,
-    SchedulerConfig,
-    create_scheduler,
-    optimizer_builder,
-    register_optimizer,
-    register_scheduler,
+from pallasopt.optim.scheduled_decay import (
+    OptaxScheduledWeightDecayState,
+    add_scheduled_weight_decay,
 )
 
 __all__ = [
@@ -66,15 +58,6 @@ __all__ = [
     "make_unsupported_stage_local_gradient_transformation",
     "fused_stage_local_apply",
     "stage_local_grad_norm",
-    "create_optimizer",
-    "AdamWConfig",
-    "LionConfig",
-    "AdafactorConfig",
-    "MuonConfig",
-    "KronConfig",
-    "SchedulerConfig",
-    "register_optimizer",
-    "register_scheduler",
 ]
 
 _OWNER = "pallasopt.optim.stage_local"
@@ -86,16 +69,17 @@ AxisName = str | tuple[str, ...]
 class StageLocalOptimizerMetadata:
   """What a stage-local step needs to know about the transform it mirrors.
 
-  The transform is ``[MultiSteps of] chain([clip_by_global_norm,] optimizer)``
-  as `create_optimizer` builds it; these fields describe that layout and the
-  hyperparameters. Field names and meanings are eFormer's, plus
+  The transform is ``[MultiSteps of] chain([clip_by_global_norm,] optimizer,
+  [scheduled weight decay])`` as `pallasopt.optim.OptimizerFactory` builds it;
+  these fields describe that layout and the hyperparameters. Field names and meanings are eFormer's, plus
   ``stacked_axes``.
 
   Attributes:
     scheduler: the learning-rate schedule the optimizer was built with.
-    weight_decay: decoupled weight decay given to the optimizer.
-    weight_decay_mask: which leaves decay (a tree of bools, a prefix of one,
-      or a callable returning one; None: all).
+    weight_decay: rate of the scheduled decay link after the optimizer
+      (``-scheduler(t) * weight_decay`` times the params; 0: no link).
+    weight_decay_mask: which leaves that link decays (a tree of bools, a
+      prefix of one, or a callable returning one; None: all).
     gradient_accumulation_steps: gradients are averaged over this many calls
       and applied on every k-th, as ``optax.MultiSteps`` does (1: every call).
     clip_grad: maximum global gradient norm (``optax.clip_by_global_norm``);
@@ -106,8 +90,7 @@ class StageLocalOptimizerMetadata:
     adamw_eps_root: AdamW's ``eps_root`` when the optimizer is AdamW, else None.
     adamw_mu_dtype: AdamW's ``mu_dtype`` when the optimizer is AdamW, else None.
     optimizer_config: the optimizer's config object.
-    extra_kwargs: further build options (``create_optimizer`` records
-      ``optimizer_type`` and ``impl``).
+    extra_kwargs: further options the builder's ``build_mpmd`` was given.
     stacked_axes: leading axes of every leaf that stack layers (``[repeats,
       stages, ...]`` is 2); the optimizers that are not elementwise treat them
       as batch axes.
@@ -158,7 +141,8 @@ class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
   ``init`` and ``update`` are the wrapped transform's, untouched, so it works
   wherever Optax transforms do. `apply_gradients_stage_local` is the
   pipeline-parallel entry point. Build one with
-  `make_stage_local_gradient_transformation` or `create_optimizer`.
+  `make_stage_local_gradient_transformation` or
+  `pallasopt.optim.OptimizerFactory.create`.
 
   Attributes:
     metadata: the `StageLocalOptimizerMetadata` it was built with, or None.
@@ -190,7 +174,7 @@ class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
 
     Leafwise over whatever (local) arrays it is given, pure and jittable:
     call it inside ``jax.shard_map`` with each device's slice. For a
-    transform from `create_optimizer` it runs the optimizer's fused
+    transform from ``OptimizerFactory.create`` it runs the optimizer's fused
     ``apply_gradients`` (params and state written in place under donation)
     and equals ``tx.update`` + ``optax.apply_updates`` on the same arrays.
 
@@ -494,7 +478,7 @@ def _layer_index_fn(
 
 
 def _chain_states(opt_state: Any, metadata: StageLocalOptimizerMetadata) -> tuple:
-  """The ``chain([clip,] optimizer)`` state inside `opt_state`, checked."""
+  """The ``chain([clip,] optimizer, [decay])`` state inside `opt_state`, checked."""
   accumulating = metadata.gradient_accumulation_steps > 1
   if accumulating != isinstance(opt_state, optax.MultiStepsState):
     raise ValueError(
@@ -505,19 +489,29 @@ def _chain_states(opt_state: Any, metadata: StageLocalOptimizerMetadata) -> tupl
         "this transform's init."
     )
   chain_state = opt_state.inner_opt_state if accumulating else opt_state
-  expected = 2 if metadata.clip_grad else 1
-  if type(chain_state) is not tuple or len(chain_state) != expected:
-    layout = "(optimizer state,)"
-    if expected == 2:
-      layout = "(clip_by_global_norm state, optimizer state)"
+  links = [
+      *(["clip_by_global_norm state"] if metadata.clip_grad else []),
+      "optimizer state",
+      *(["scheduled weight decay state"] if metadata.weight_decay != 0.0 else []),
+  ]
+  decay_ok = not metadata.weight_decay or (
+      isinstance(chain_state, tuple) and chain_state
+      and isinstance(_decay_inner(chain_state[-1]), OptaxScheduledWeightDecayState)
+  )
+  if type(chain_state) is not tuple or len(chain_state) != len(links) or not decay_ok:
     raise ValueError(
         f"{_OWNER}: opt_state{'.inner_opt_state' if accumulating else ''} must be the "
-        f"optax.chain state {layout} that metadata describes (clip_grad="
-        f"{metadata.clip_grad}); got {type(chain_state).__name__}"
+        f"optax.chain state ({', '.join(links)}) that metadata describes (clip_grad="
+        f"{metadata.clip_grad}, weight_decay={metadata.weight_decay}); got "
+        f"{type(chain_state).__name__}"
         + (f" of length {len(chain_state)}" if isinstance(chain_state, tuple) else "")
         + "."
     )
   return chain_state
+
+
+def _decay_inner(state: Any) -> Any:
+  return state.inner_state if isinstance(state, optax.MaskedState) else state
 
 
 def _delete_arrays(tree: Any) -> None:
@@ -528,11 +522,11 @@ def _delete_arrays(tree: Any) -> None:
 
 
 def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLocalApplyFn:
-  """The stage-local step of ``[MultiSteps of] chain([clip,] optimizer)``.
+  """The stage-local step of ``[MultiSteps of] chain([clip,] optimizer, [decay])``.
 
   For `make_stage_local_gradient_transformation` with metadata describing
-  that layout (``clip_grad``, ``gradient_accumulation_steps``), as
-  `create_optimizer` builds it. Per call:
+  that layout (``clip_grad``, ``weight_decay``, ``gradient_accumulation_steps``),
+  as `pallasopt.optim.OptimizerFactory` builds it. Per call:
 
   1. None grads become zeros for the step; afterwards their params and
      per-param state are put back (frozen leaves, `_keep_frozen`).
@@ -546,6 +540,12 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
      place; with ``stacked_spec``, an optimizer whose ``apply_gradients``
      takes ``layer_index_fn`` (Kron) also gets the global indices of this
      shard's layers.
+  5. With ``weight_decay`` (the factory's decay link), step 4 runs
+     ``optimizer.scaled_update`` instead (the same kernels writing updates),
+     the link adds ``-schedule(t) * weight_decay * p`` to the masked leaves'
+     updates at its own count (``learning_rate_fn`` replaces the schedule
+     when given), and XLA applies them: eFormer's order of operations, and
+     one elementwise pass more than the fused apply.
 
   The new state has the structure and dtypes ``tx.update`` produces.
 
@@ -592,14 +592,35 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
         if wants_layer_index and stacked_spec is not None else {}
     )
 
+    if metadata.weight_decay:
+      if optimizer.scaled_update is None:
+        raise ValueError(
+            f"{_OWNER}: metadata.weight_decay={metadata.weight_decay} needs the optimizer's "
+            "scaled_update (its updates go through the decay link before they are applied); "
+            "this FusedGradientTransformation has none."
+        )
+      schedule = learning_rate_fn or metadata.scheduler
+      decay_link = add_scheduled_weight_decay(
+          lambda t: -schedule(t) * metadata.weight_decay, metadata.weight_decay_mask
+      )
+
     def step(params, grads, chain_state):
-      *clip_state, state = chain_state
+      clip_state = chain_state[:1] if clip else ()
+      state = chain_state[len(clip_state)]
       scale = None if clip is None else _clip_scale(grads, clip, axis_name, global_grad_norm)
       lr = None if learning_rate_fn is None else learning_rate_fn(_schedule_count(state))
-      params, state = optimizer.apply_gradients(
-          params, grads, state, grad_scale=scale, learning_rate=lr, **layer_index
+      if not metadata.weight_decay:
+        new_params, state = optimizer.apply_gradients(
+            params, grads, state, grad_scale=scale, learning_rate=lr, **layer_index
+        )
+        return new_params, (*clip_state, state)
+      # The decay link adds to the optimizer's updates before they are applied,
+      # in eFormer's order (and rounding): p + (u + s(t) p).
+      updates, state = optimizer.scaled_update(
+          grads, state, params, grad_scale=scale, learning_rate=lr, **layer_index
       )
-      return params, (*clip_state, state)
+      updates, decay_state = decay_link.update(updates, chain_state[-1], params)
+      return optax.apply_updates(params, updates), (*clip_state, state, decay_state)
 
     if k == 1:
       new_params, new_state = step(params, full_grads, chain_state)
@@ -638,104 +659,3 @@ def _accumulate_then(step, k: int, params, grads, state: optax.MultiStepsState):
       ),
       skip_state=state.skip_state,
   )
-
-
-# ---- The factory. ----
-
-
-def create_optimizer(
-    optimizer_type: str,
-    optimizer_config: Any | None = None,
-    scheduler_config: SchedulerConfig | None = None,
-    *,
-    weight_decay: optax.ScalarOrSchedule = 0.0,
-    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
-    clip_grad: float | None = None,
-    gradient_accumulation_steps: int = 1,
-    stacked_axes: int = 0,
-    impl: str = "auto",
-) -> tuple[StageLocalGradientTransformation, optax.Schedule]:
-  """Builds a registered optimizer as a stage-local transform, and its schedule.
-
-  The transform is ``MultiSteps(chain(clip_by_global_norm(clip_grad),
-  optimizer), gradient_accumulation_steps)``, the clip and the
-  ``MultiSteps`` only when asked for, as eFormer's factory builds it; the
-  optimizer gets the schedule as its learning rate and `weight_decay` /
-  `weight_decay_mask` as its own decoupled weight decay (for AdamW, Lion,
-  Muon and Kron multiplied by the learning rate, like eFormer's external
-  decay; Adafactor's, as in Optax, is not). ``update`` is the plain Optax
-  path; `StageLocalGradientTransformation.apply_gradients_stage_local`
-  computes the same step with the optimizer's fused kernels.
-
-  Args:
-    optimizer_type: a registered name: ``"adamw"``, ``"lion"``,
-      ``"adafactor"``, ``"muon"``, ``"kron"`` or one added with
-      `register_optimizer`.
-    optimizer_config: its config (default: the config class with its
-      defaults).
-    scheduler_config: the learning-rate schedule (default: constant 5e-5,
-      eFormer's default).
-    weight_decay: decoupled weight decay, >= 0.
-    weight_decay_mask: which leaves decay (None: all).
-    clip_grad: maximum global gradient norm; None or 0: no clipping.
-    gradient_accumulation_steps: average gradients over this many calls and
-      apply every k-th (``optax.MultiSteps``).
-    stacked_axes: leading stacked-layer axes of every leaf, passed to the
-      optimizers that are not elementwise (Adafactor, Muon, Kron).
-    impl: kernel implementation, see `pallasopt.kernels.use_impl`.
-
-  Returns:
-    ``(tx, schedule)``.
-
-  Raises:
-    ValueError: an unknown optimizer or scheduler name (the message lists
-      the registered ones), or a bad argument, named.
-    TypeError: a config of the wrong class.
-  """
-  config_cls, builder = optimizer_builder(optimizer_type)
-  if isinstance(optimizer_config, SchedulerConfig):
-    raise TypeError(
-        f"{_OWNER}: optimizer_config is a SchedulerConfig; pass it as scheduler_config= "
-        "(create_optimizer takes optimizer_config second, eFormer's factory took it third)."
-    )
-  config = config_cls() if optimizer_config is None else optimizer_config
-  if not isinstance(config, config_cls):
-    raise TypeError(
-        f"{_OWNER}: optimizer_config for {optimizer_type!r} must be a {config_cls.__name__}; "
-        f"got {type(config).__name__}."
-    )
-  schedule = create_scheduler(SchedulerConfig() if scheduler_config is None else scheduler_config)
-  v.check_hyperparameter(_OWNER, "weight_decay", weight_decay)
-  resolve_impl(impl)
-  adamw_fields = (
-      {f"adamw_{f}": getattr(config, f) for f in ("b1", "b2", "eps", "eps_root", "mu_dtype")}
-      if isinstance(config, AdamWConfig)
-      else {}
-  )
-  metadata = StageLocalOptimizerMetadata(
-      scheduler=schedule,
-      weight_decay=weight_decay,
-      weight_decay_mask=weight_decay_mask,
-      gradient_accumulation_steps=gradient_accumulation_steps,
-      clip_grad=clip_grad,
-      **adamw_fields,
-      optimizer_config=config,
-      extra_kwargs={"optimizer_type": optimizer_type, "impl": impl},
-      stacked_axes=stacked_axes,
-  )
-  optimizer = builder(
-      config, schedule, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
-      stacked_axes=stacked_axes, impl=impl,
-  )
-  tx = optax.chain(*([optax.clip_by_global_norm(clip_grad)] if clip_grad else []), optimizer)
-  if gradient_accumulation_steps > 1:
-    tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
-  if isinstance(optimizer, FusedGradientTransformation):
-    apply_fn = fused_stage_local_apply(optimizer)
-    return make_stage_local_gradient_transformation(tx, metadata, apply_fn), schedule
-  unsupported = make_unsupported_stage_local_gradient_transformation(
-      tx, optimizer_type=optimizer_type, metadata=metadata,
-      reason=f"its builder returned a {type(optimizer).__name__}, which has no fused "
-      "apply_gradients.",
-  )
-  return unsupported, schedule

@@ -27,8 +27,8 @@ a pipelined step equals the unpipelined one. Example (8 fake CPU devices)::
 
   schedule = CircularSchedule(num_stages=4, num_microbatches=8, num_repeats=2)
   mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
-  tx, _ = create_optimizer("adamw", scheduler_config=SchedulerConfig(learning_rate=1e-3),
-                           clip_grad=1.0, stacked_axes=schedule.stacked_axes)
+  tx, _ = OptimizerFactory.create("adamw", SchedulerConfig(learning_rate=1e-3),
+                                  clip_grad=1.0, stacked_axes=schedule.stacked_axes)
   step = make_train_step(layer, mse, tx, mesh=mesh, schedule=schedule, data_axis="data")
   params = step.shard_params(layers_to_stages(layers, schedule))
   opt_state = step.init(params)
@@ -182,7 +182,7 @@ def make_train_step(
       ``targets`` are ``[M, microbatch, ...]``. With streamed io they stay
       sharded over the stages, so a loss that reduces them (a mean) costs one
       scalar all-reduce and never gathers them.
-    tx: a stage-local transform (`pallasopt.optim.stage_local.create_optimizer`)
+    tx: a stage-local transform (`pallasopt.optim.OptimizerFactory.create`)
       built with ``stacked_axes=schedule.stacked_axes``.
     mesh: the device mesh, with `stage_axis` (and `data_axis`).
     schedule: the `CircularSchedule`.
@@ -208,7 +208,7 @@ def make_train_step(
   if not callable(getattr(tx, "apply_gradients_stage_local", None)):
     raise TypeError(
         "tx must be a stage-local transform with apply_gradients_stage_local (build it with"
-        f" pallasopt.optim.stage_local.create_optimizer), got {type(tx).__name__}."
+        f" pallasopt.optim.OptimizerFactory.create), got {type(tx).__name__}."
     )
   unsupported = getattr(tx.apply_gradients_stage_local, "unsupported_reason", None)
   if unsupported:
@@ -219,7 +219,7 @@ def make_train_step(
     raise ValueError(
         f"tx was built with stacked_axes={stacked_axes}, but the pipeline's params are stacked"
         f" {schedule.stacked_shape} (stacked_axes={schedule.stacked_axes}); build it with"
-        f" create_optimizer(..., stacked_axes={schedule.stacked_axes}) so that the optimizer"
+        f" OptimizerFactory.create(..., stacked_axes={schedule.stacked_axes}) so that the optimizer"
         " treats the stacked dims as batch dims."
     )
   return PipelineTrainStep(

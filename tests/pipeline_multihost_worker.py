@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from pipeline_model import layer, make_batch, make_layers, mse, sequential  # noqa: E402
-from pallasopt.optim.stage_local import AdamWConfig, SchedulerConfig, create_optimizer  # noqa: E402
+from pallasopt.optim import AdamWConfig, OptimizerFactory, SchedulerConfig  # noqa: E402
 from pallasopt.pipeline.layout import layers_to_stages, stages_to_layers  # noqa: E402
 from pallasopt.pipeline.schedule import CircularSchedule  # noqa: E402
 from pallasopt.pipeline.sharding import barrier_sync  # noqa: E402
@@ -40,8 +40,8 @@ schedule = CircularSchedule(2, 4, 2, streamed_io=True)
 # and the ring between the stages crosses processes.
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("stage", "data"))
 scheduler = SchedulerConfig(learning_rate=1e-2)
-make = lambda stacked_axes: create_optimizer(
-    "adamw", AdamWConfig(), scheduler, clip_grad=0.05, stacked_axes=stacked_axes, impl="xla"
+make = lambda stacked_axes: OptimizerFactory.create(
+    "adamw", scheduler, AdamWConfig(), clip_grad=0.05, stacked_axes=stacked_axes, impl="xla"
 )[0]
 step = make_train_step(layer, mse, make(schedule.stacked_axes), mesh=mesh, schedule=schedule,
                        data_axis="data")

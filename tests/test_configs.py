@@ -11,6 +11,7 @@ from pallasopt import optim
 CONFIGS = [
     optim.AdamWConfig, optim.LionConfig, optim.AdafactorConfig, optim.MuonConfig,
     optim.KronConfig, optim.RMSPropConfig, optim.MarsConfig, optim.SchedulerConfig,
+    optim.WhiteKronConfig, optim.SoapConfig, optim.ScionConfig,
 ]
 
 # eFormer 0.0.101's fields, in order, with their defaults (eformer/optimizers/_config.py);
@@ -28,6 +29,24 @@ EFORMER_FIELDS = {
         dtype_momentum=jnp.float32, weight_decay_rate=None, eps=1e-30, factored=True),
     optim.SchedulerConfig: dict(scheduler_type=None, learning_rate=5e-5, learning_rate_end=None,
                                 warmup_steps=None, steps=None, exponent=1.0),
+    optim.MuonConfig: dict(
+        ns_coeffs=(3.4445, -4.775, 2.0315), ns_steps=5, beta=0.95, eps=1e-8, weight_decay=0.0,
+        weight_decay_mask=None, mu_dtype=None, nesterov=True, adaptive=False, adam_b1=0.9,
+        adam_b2=0.999, adam_eps_root=0.0, adam_weight_decay=0.0),
+    optim.WhiteKronConfig: dict(
+        lr_style="adam", b1=0.95, normalize_grads=False, max_size_dense=16384,
+        preconditioner_lr=0.7, preconditioner_init_scale=1.0, dtype=jnp.bfloat16,
+        scanned_layers=None, block_size=256, pipeline_axis_name=None, pipeline_axis_size=1,
+        params_partition_specs=None, noise_scale=1e-9, weight_decay=0.1, weight_decay_mask=None),
+    optim.SoapConfig: dict(
+        weight_decay=0.0, beta1=0.95, beta2=0.95, shampoo_beta=0.95, epsilon=1e-8,
+        max_grad_norm=1.0, preconditioner_lr=0.1, preconditioner_init_scale=1.0, mu_dtype=None,
+        precond_dtype=None, precond_update_precision="tensorfloat32",
+        precond_grads_precision=None, lax_map_scanned_layers=False, lax_map_batch_size=8,
+        merge_small_dims=True, target_merged_dim_size=8192, partition_grads_into_blocks=True,
+        block_size=256),
+    optim.ScionConfig: dict(momentum=0.95, backend_steps=10, beta1=0.9, epsilon=1e-8,
+                            unconstrained=False, spectral_radius=50, sign_radius=3000),
 }
 
 
@@ -68,9 +87,9 @@ def test_eformer_dicts_load_and_unknown_keys_warn():
 def test_configs_are_mutable_and_rechecked_when_used():
   config = optim.AdamWConfig()
   config.b2 = 0.95
-  tx, _ = optim.create_optimizer("adamw", config, impl="xla")
+  tx, _ = optim.OptimizerFactory.create("adamw", None, config, impl="xla")
   assert tx.metadata.optimizer_config.b2 == 0.95
   schedule = optim.SchedulerConfig("linear", 1e-3, learning_rate_end=0.0, steps=10)
   schedule.warmup_steps = 20
   with pytest.raises(ValueError, match=r"warmup_steps \(20\) must be less than steps \(10\)"):
-    optim.create_scheduler(schedule)
+    optim.SchedulerFactory.create_scheduler(schedule)

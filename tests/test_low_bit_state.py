@@ -397,7 +397,7 @@ def test_stage_local_path_runs_low_bit_state(name, config):
   # The configs carry the format through the factory; the stage-local fused
   # apply equals the same transform's update, and a None grad freezes its
   # leaf (its params and moments come back untouched).
-  tx, _ = pallasopt.optim.create_optimizer(name, config, impl="xla")
+  tx, _ = pallasopt.optim.OptimizerFactory.create(name, None, config, impl="xla")
   params = {k: v for k, v in _params().items() if k != "h"}
   grads = _grads(params, 0)
   state = tx.init(params)

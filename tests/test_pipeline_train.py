@@ -19,14 +19,14 @@ from jax.sharding import Mesh
 
 from helpers import assert_close
 from pipeline_model import layer, make_batch, make_layers, mse, sequential
-from pallasopt.optim.stage_local import (
+from pallasopt.optim import (
     AdafactorConfig,
     AdamWConfig,
     KronConfig,
     LionConfig,
     MuonConfig,
+    OptimizerFactory,
     SchedulerConfig,
-    create_optimizer,
 )
 from pallasopt.pipeline.circular import scan_layers
 from pallasopt.pipeline.layout import layers_to_stages, stages_to_layers
@@ -77,15 +77,16 @@ def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1)
   """STEPS pipelined steps against STEPS unpipelined Optax steps; returns the step."""
   config = CASES[name][0]
   kwargs = dict(weight_decay=0.01, impl=impl, gradient_accumulation_steps=accumulation)
-  tx, _ = create_optimizer(name, config, SCHEDULER, stacked_axes=schedule.stacked_axes,
-                           clip_grad=clip, **kwargs)
+  tx, _ = OptimizerFactory.create(name, SCHEDULER, config, stacked_axes=schedule.stacked_axes,
+                                  clip_grad=clip, **kwargs)
   mesh = stage_mesh(schedule.num_stages, data)
   stage_fn = layer if schedule.layers_per_stage == 1 else scan_layers(layer)
   step = make_train_step(stage_fn, mse, tx, mesh=mesh, schedule=schedule,
                          data_axis="data" if data > 1 else None)
   layers = make_layers(schedule.num_layers)
   inputs, targets = make_batch(schedule.num_microbatches)
-  ref_tx, _ = create_optimizer(name, config, SCHEDULER, stacked_axes=1, clip_grad=clip, **kwargs)
+  ref_tx, _ = OptimizerFactory.create(name, SCHEDULER, config, stacked_axes=1, clip_grad=clip,
+                                      **kwargs)
   ref_step, ref_state = whole_model_reference(ref_tx, schedule, layers, inputs, targets)
   params = step.shard_params(layers_to_stages(layers, schedule))
   opt_state = step.init(params)
@@ -165,10 +166,10 @@ def test_data_axis():
 def test_bad_configurations_raise():
   schedule = CircularSchedule(2, 2, 2)
   mesh = stage_mesh(2)
-  tx, _ = create_optimizer("adamw", stacked_axes=2, impl="xla")
+  tx, _ = OptimizerFactory.create("adamw", stacked_axes=2, impl="xla")
   with pytest.raises(TypeError, match="tx must be a stage-local transform"):
     make_train_step(layer, mse, optax.adam(1e-3), mesh=mesh, schedule=schedule)
-  wrong, _ = create_optimizer("adamw", stacked_axes=1, impl="xla")
+  wrong, _ = OptimizerFactory.create("adamw", stacked_axes=1, impl="xla")
   with pytest.raises(ValueError, match=r"tx was built with stacked_axes=1.*stacked_axes=2\)"):
     make_train_step(layer, mse, wrong, mesh=mesh, schedule=schedule)
   with pytest.raises(ValueError, match="mesh axis 'stage' has 4 devices"):

@@ -1,6 +1,7 @@
 """The stage-local layer: apply_gradients_stage_local equals the Optax path.
 
-`create_optimizer(...)` builds ``[MultiSteps of] chain([clip,] optimizer)``;
+`OptimizerFactory.create(...)` builds ``[MultiSteps of] chain([clip,]
+optimizer, [scheduled decay])``;
 its ``update`` + ``optax.apply_updates`` is the reference for the fused
 stage-local step, over several steps, for every registered optimizer, and
 inside ``shard_map`` each stage's update of its slice equals the unsharded one.
@@ -19,22 +20,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import assert_trees_close, frozen_at, step_grads
 from pallasopt.kernels import _compat
-from pallasopt.optim import configs
-from pallasopt.optim._base import FusedGradientTransformation
-from pallasopt.optim.adamw import adamw
-from pallasopt.optim.stage_local import (
+from pallasopt.optim import (
     AdafactorConfig,
     AdamWConfig,
     KronConfig,
     LionConfig,
     MuonConfig,
+    OptimizerFactory,
     SchedulerConfig,
+    add_scheduled_weight_decay,
+)
+from pallasopt.optim import factory
+from pallasopt.optim._base import FusedGradientTransformation
+from pallasopt.optim.adamw import adamw
+from pallasopt.optim.lion import lion
+from pallasopt.optim.stage_local import (
     StageLocalOptimizerMetadata,
-    create_optimizer,
     fused_stage_local_apply,
     make_stage_local_gradient_transformation,
     make_unsupported_stage_local_gradient_transformation,
-    register_optimizer,
 )
 from pallasopt.pipeline.sharding import optimizer_state_specs
 
@@ -52,6 +56,11 @@ OPTIMIZERS = sorted(CONFIGS)
 COSINE = SchedulerConfig("cosine", 1e-2, learning_rate_end=1e-3, warmup_steps=2, steps=8)
 LINEAR = SchedulerConfig("linear", learning_rate=1e-2, learning_rate_end=1e-3, steps=8)
 MATRICES = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+
+
+def _create(name, config=None, scheduler_config=None, **kwargs):
+  """`OptimizerFactory.create` with the config before the schedule, as the cases list them."""
+  return OptimizerFactory.create(name, scheduler_config, config, **kwargs)
 
 
 def _params(dtype=jnp.float32, seed=0):
@@ -141,10 +150,10 @@ CASES = {
 def test_stage_local_equals_optax_path(name, case):
   spec = CASES[case]
   dtype = spec.get("dtype", jnp.float32)
-  tx, _ = create_optimizer(name, CONFIGS[name], impl="xla", **spec["kwargs"])
+  tx, _ = _create(name, CONFIGS[name], impl="xla", **spec["kwargs"])
   ref_tx, learning_rate_fn = tx, None
   if "learning_rate_fn" in spec:
-    ref_tx, learning_rate_fn = create_optimizer(
+    ref_tx, learning_rate_fn = _create(
         name, CONFIGS[name], spec["learning_rate_fn"], impl="xla", **spec["kwargs"]
     )
   got, want = _trajectories(tx, ref_tx, _params(dtype), spec["steps"],
@@ -153,20 +162,25 @@ def test_stage_local_equals_optax_path(name, case):
 
 
 def test_factory_equals_optax_multisteps_chain_in_result_and_state():
-  tx, schedule = create_optimizer(
+  tx, schedule = _create(
       "adamw", AdamWConfig(b1=0.8, b2=0.95), COSINE, weight_decay=0.1, weight_decay_mask=MATRICES,
       clip_grad=0.5, gradient_accumulation_steps=2, impl="xla",
   )
-  adamw_tx = optax.adamw(schedule, b1=0.8, b2=0.95, weight_decay=0.1, mask=MATRICES)
+  # eFormer's chain: AdamW without decay of its own, then the scheduled decay link.
   optax_tx = optax.MultiSteps(
-      optax.chain(optax.clip_by_global_norm(0.5), adamw_tx), every_k_schedule=2
+      optax.chain(
+          optax.clip_by_global_norm(0.5),
+          optax.adamw(schedule, b1=0.8, b2=0.95, weight_decay=0.0),
+          add_scheduled_weight_decay(lambda t: -schedule(t) * 0.1, MATRICES),
+      ),
+      every_k_schedule=2,
   )
   got, want = _trajectories(tx, optax_tx, _params(), 4)
   assert_trees_close(got, want, rtol=1e-5)
 
 
 def test_global_grad_norm_replaces_the_local_norm():
-  tx, _ = create_optimizer("adamw", clip_grad=0.5, impl="xla")
+  tx, _ = _create("adamw", clip_grad=0.5, impl="xla")
   params = _small_params()
   grads = step_grads(params, 0)
   apply = functools.partial(tx.apply_gradients_stage_local, params=params, grads=grads,
@@ -206,7 +220,7 @@ def test_runs_the_fused_apply_with_the_clip_factor_as_grad_scale():
 
 
 def test_delete_grads_frees_eager_buffers():
-  tx, _ = create_optimizer("adamw", impl="xla")
+  tx, _ = _create("adamw", impl="xla")
   params = _small_params()
   grads = step_grads(params, 0)
   want = tx.apply_gradients_stage_local(params=params, grads=grads, opt_state=tx.init(params))
@@ -237,7 +251,7 @@ def _stage_params(seed=1):
 def test_shard_map_stage_slices_equal_the_unsharded_step(name, impl, accumulate):
   # stacked_spec gives Kron each stage's global layer index, from which it
   # draws that layer's preconditioner probe, as the unsharded step does.
-  tx, _ = create_optimizer(
+  tx, _ = _create(
       name, CONFIGS[name], LINEAR, weight_decay=0.1, clip_grad=0.5, gradient_accumulation_steps=accumulate,
       stacked_axes=1, impl=impl,
   )
@@ -283,8 +297,8 @@ def test_shard_map_stage_slices_equal_the_unsharded_step(name, impl, accumulate)
 # ---- Factory, registry and schedules. ----
 
 
-def test_create_optimizer_records_its_metadata():
-  tx, schedule = create_optimizer(
+def test_factory_records_its_metadata():
+  tx, schedule = _create(
       "adamw", AdamWConfig(b1=0.8), LINEAR, weight_decay=0.1, weight_decay_mask=MATRICES,
       clip_grad=1.0, gradient_accumulation_steps=2, stacked_axes=1, impl="xla",
   )
@@ -294,7 +308,7 @@ def test_create_optimizer_records_its_metadata():
   assert (m.adamw_b1, m.adamw_b2, m.adamw_eps, m.adamw_eps_root, m.adamw_mu_dtype) == (
       0.8, 0.999, 1e-8, 0.0, None)
   assert m.optimizer_config == AdamWConfig(b1=0.8)
-  assert m.extra_kwargs == {"optimizer_type": "adamw", "impl": "xla"}
+  assert m.extra_kwargs == {}
   assert isinstance(tx, optax.GradientTransformationExtraArgs)
   assert isinstance(tx.init(_small_params()), optax.MultiStepsState)
 
@@ -313,12 +327,12 @@ def test_schedules_are_eformers():
       (SchedulerConfig("cosine", 1e-2, steps=10), optax.cosine_decay_schedule(1e-2, 10)),
   ]
   for config, schedule in expected:
-    _, got = create_optimizer("adamw", scheduler_config=config)
+    _, got = _create("adamw", scheduler_config=config)
     np.testing.assert_allclose(jax.vmap(got)(steps), jax.vmap(schedule)(steps), rtol=1e-6,
                                err_msg=str(config))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _SGDConfig:
   momentum: float = 0.9
 
@@ -326,17 +340,26 @@ class _SGDConfig:
 @pytest.fixture
 def registry(monkeypatch):
   """Registrations made by a test are undone after it."""
-  monkeypatch.setattr(configs, "_OPTIMIZERS", dict(configs._OPTIMIZERS))
-  monkeypatch.setattr(configs, "_SCHEDULERS", dict(configs._SCHEDULERS))
+  monkeypatch.setattr(factory, "_OPTIMIZER_BUILDERS", dict(factory._OPTIMIZER_BUILDERS))
+  monkeypatch.setattr(factory, "_SCHEDULER_BUILDERS", dict(factory._SCHEDULER_BUILDERS))
 
 
 def test_registered_optimizer_and_scheduler_are_used(registry):
-  @register_optimizer("sgd", _SGDConfig)
-  def build_sgd(config, learning_rate, *, weight_decay, weight_decay_mask, stacked_axes, impl):
-    return optax.sgd(learning_rate, momentum=config.momentum)
+  @factory.register_optimizer("sgd")
+  @dataclasses.dataclass
+  class SGDOptimizer(factory.OptimizerBuilder):
+    config: _SGDConfig
 
-  configs.register_scheduler("halving", lambda c: lambda count: c.learning_rate / 2.0**count)
-  tx, schedule = create_optimizer("sgd", _SGDConfig(0.5), SchedulerConfig("halving", 1.0, steps=4),
+    def build(self, scheduler):
+      return optax.sgd(scheduler, momentum=self.config.momentum)
+
+  @factory.register_scheduler("halving")
+  @dataclasses.dataclass
+  class Halving(factory.SchedulerBuilder):
+    def build(self):
+      return lambda count: self.config.learning_rate / 2.0**count
+
+  tx, schedule = _create("sgd", _SGDConfig(0.5), SchedulerConfig("halving", 1.0, steps=4),
                                   clip_grad=1.0)
   assert float(schedule(3)) == 0.125
   params = _small_params()
@@ -344,9 +367,32 @@ def test_registered_optimizer_and_scheduler_are_used(registry):
   got = tx.update(step_grads(params, 0), tx.init(params), params)
   assert_trees_close(got, want_tx.update(step_grads(params, 0), want_tx.init(params), params))
   with pytest.raises(NotImplementedError, match=r"optimizer 'sgd' has no stage-local apply.*"
-                     r"FusedGradientTransformation.*Reason: its builder returned"):
+                     r"FusedGradientTransformation.*Reason: SGDOptimizer.build returned a"):
     tx.apply_gradients_stage_local(params=params, grads=params, opt_state=tx.init(params))
-  assert tx.metadata.optimizer_config == _SGDConfig(0.5)
+  # Without a config, the factory's keywords fill the default one (eFormer's rule).
+  tx, schedule = OptimizerFactory.create("sgd", momentum=0.25)
+  want_tx = optax.sgd(schedule, momentum=0.25)
+  got, want = tx.init(params), want_tx.init(params)
+  for i in range(2):  # the second update depends on the momentum
+    got_updates, got = tx.update(step_grads(params, i), got, params)
+    want_updates, want = want_tx.update(step_grads(params, i), want, params)
+  assert_trees_close(got_updates, want_updates)
+
+
+def test_user_builder_returning_a_fused_transform_gets_the_stage_local_path(registry):
+  @factory.register_optimizer("lion_no_decay")
+  @dataclasses.dataclass
+  class NoDecayLion(factory.OptimizerBuilder):
+    config: LionConfig
+
+    def build(self, scheduler):
+      return lion(scheduler, b1=self.config.b1, b2=self.config.b2, weight_decay=0.0,
+                  impl=self.impl)
+
+  tx, _ = _create("lion_no_decay", LionConfig(b1=0.8), weight_decay=0.1,
+                           clip_grad=0.5, impl="xla")
+  got, want = _trajectories(tx, tx, _params(), 3)
+  assert_trees_close(got, want, rtol=1e-5)
 
 
 # ---- Errors. ----
@@ -365,12 +411,21 @@ def test_unsupported_optimizer_keeps_update_and_explains_the_fix():
 
 
 def test_bad_registrations_are_rejected(registry):
-  with pytest.raises(TypeError, match="config_cls of 'sgd' must be a dataclass type"):
-    register_optimizer("sgd", dict, lambda *a, **k: optax.sgd(0.1))
-  with pytest.raises(TypeError, match="the builder of 'sgd' must be callable"):
-    register_optimizer("sgd", _SGDConfig, "optax.sgd")
-  with pytest.raises(TypeError, match="a registered name must be a non-empty str"):
-    configs.register_scheduler("", lambda c: c.learning_rate)
+  with pytest.raises(ValueError, match="optimizer 'adamw' is already registered \\(by AdamWOptimizer"):
+    factory.register_optimizer("adamw")(factory.AdamWOptimizer)
+  with pytest.raises(TypeError, match="must be a dataclass subclassing OptimizerBuilder"):
+    factory.register_optimizer("sgd")(_SGDConfig)
+  with pytest.raises(TypeError, match="name must be a non-empty str"):
+    factory.register_scheduler("")
+
+  @factory.register_optimizer("untyped")
+  @dataclasses.dataclass
+  class Untyped(factory.OptimizerBuilder):
+    def build(self, scheduler):
+      return optax.sgd(scheduler)
+
+  with pytest.raises(ValueError, match="Untyped \\(optimizer 'untyped'\\) must annotate its config"):
+    OptimizerFactory.create("untyped")
 
 
 def test_eformer_style_apply_fn_gets_only_eformers_arguments():
@@ -407,19 +462,19 @@ def test_apply_fn_is_required():
         ({"gradient_accumulation_steps": 2.0}, "gradient_accumulation_steps must be an int >= 1"),
         ({"clip_grad": -1.0}, "clip_grad must be None or a finite number >= 0"),
         ({"stacked_axes": -1}, "stacked_axes must be an int >= 0"),
-        ({"weight_decay": -0.1}, "weight_decay must be in"),
+        ({"weight_decay": float("nan")}, "weight_decay must be a finite number"),
         ({"impl": "gpu"}, "impl must be one of"),
     ],
 )
 def test_bad_factory_arguments_are_named(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    create_optimizer("adamw", **kwargs)
+    _create("adamw", **kwargs)
 
 
 def test_accumulation_misuse_is_reported():
-  accumulating, _ = create_optimizer("adamw", clip_grad=1.0, gradient_accumulation_steps=2,
+  accumulating, _ = _create("adamw", clip_grad=1.0, gradient_accumulation_steps=2,
                                      impl="xla")
-  plain, _ = create_optimizer("adamw", clip_grad=1.0, impl="xla")
+  plain, _ = _create("adamw", clip_grad=1.0, impl="xla")
   params = _small_params()
   with pytest.raises(ValueError, match="global_grad_norm cannot be used with "
                      "gradient_accumulation_steps=2"):
@@ -436,7 +491,7 @@ def test_accumulation_misuse_is_reported():
 
 
 def test_state_of_another_layout_is_reported():
-  clipped, _ = create_optimizer("adamw", clip_grad=1.0, impl="xla")
+  clipped, _ = _create("adamw", clip_grad=1.0, impl="xla")
   params = _small_params()
   bare = adamw(1e-3).init(params)
   with pytest.raises(ValueError, match=r"opt_state must be the optax.chain state \(clip_by_global"
@@ -445,7 +500,7 @@ def test_state_of_another_layout_is_reported():
 
 
 def test_mismatched_trees_name_the_leaf():
-  tx, _ = create_optimizer("adamw", impl="xla")
+  tx, _ = _create("adamw", impl="xla")
   params = _small_params()
   state = tx.init(params)
   apply = functools.partial(tx.apply_gradients_stage_local, params=params, opt_state=state)
@@ -463,23 +518,21 @@ def test_mismatched_trees_name_the_leaf():
 
 def test_unknown_and_wrong_configs_are_reported():
   with pytest.raises(ValueError, match=r"unknown optimizer_type 'adam'; registered optimizers are "
-                     r"\['adafactor', 'adamw', 'kron', 'lion', 'muon'"):
-    create_optimizer("adam")
+                     r"\['adafactor', 'adamw', 'kron', 'lion', 'mars', 'muon', 'rmsprop'"):
+    _create("adam")
   with pytest.raises(ValueError, match=r"unknown scheduler_type 'exponential'; registered "
                      r"schedulers are \['constant', 'cosine', 'linear'"):
-    create_optimizer("adamw", scheduler_config=SchedulerConfig("exponential", steps=10))
+    _create("adamw", scheduler_config=SchedulerConfig("exponential", steps=10))
   with pytest.raises(TypeError, match="optimizer_config for 'adamw' must be a AdamWConfig; got "
                      "LionConfig"):
-    create_optimizer("adamw", LionConfig())
-  with pytest.raises(TypeError, match="pass it as scheduler_config="):
-    create_optimizer("adamw", LINEAR)
+    _create("adamw", LionConfig())
+  with pytest.raises(TypeError, match=r"the order is create\(optimizer_type, scheduler_config, "
+                     r"optimizer_config\)"):
+    _create("adamw", LINEAR)
   with pytest.raises(ValueError, match="'linear' scheduler needs learning_rate_end"):
-    create_optimizer("adamw", scheduler_config=SchedulerConfig("linear", steps=10))
-  with pytest.raises(ValueError, match="weight_decay=0.1 and MuonConfig.weight_decay=0.2 both"):
-    create_optimizer("muon", MuonConfig(weight_decay=0.2), weight_decay=0.1)
-  with pytest.raises(ValueError, match="weight_decay_mask and MuonConfig.weight_decay_mask are "
-                     "both set"):
-    create_optimizer("muon", MuonConfig(weight_decay_mask=MATRICES), weight_decay_mask=MATRICES)
+    _create("adamw", scheduler_config=SchedulerConfig("linear", steps=10))
+  with pytest.raises(ValueError, match=r"AdamWConfig.mu_dtype='bfloat61' names no jax.numpy dtype"):
+    _create("adamw", AdamWConfig(mu_dtype="bfloat61"))
 
 
 @pytest.mark.parametrize(
