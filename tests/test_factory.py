@@ -94,7 +94,9 @@ def test_update_path_gives_eformers_params_and_state(run):
 
 @pytest.mark.parametrize(
     "run,impl",
-    [(run, "xla") for run in RUNS]
+    # bf16 White-Kron runs follow the same code as their f32 runs, whose
+    # stage-local path is checked here; the update path checks them.
+    [(run, "xla") for run in RUNS if "_bf16" not in run]
     + [(run, "interpret") for run in ("adamw/k1", "mars/k2", "quad/k1", "skew/k2")],
 )
 def test_jitted_stage_local_path_gives_eformers_params_and_state(run, impl):
