@@ -44,6 +44,7 @@ import optax
 
 from pallasopt.kernels import quant
 from pallasopt.optim import _validation as v
+from pallasopt.optim import white_kron
 from pallasopt.optim._base import FusedGradientTransformation
 from pallasopt.optim.scheduled_decay import (
     OptaxScheduledWeightDecayState,
@@ -395,9 +396,12 @@ def _keep_frozen(new: Any, old: Any, params_def: Any, frozen: list[bool]) -> Any
   """``new`` with the parts that belong to frozen params taken from ``old``.
 
   Walks the tree from the root: a node stored per param keeps ``old``'s
-  entry for each frozen param; every other leaf (counters, hyperparameters)
+  entry for each frozen param (a White-Kron state: its blocks and factors,
+  `white_kron.keep_frozen`); every other leaf (counters, hyperparameters)
   keeps ``new``'s.
   """
+  if white_kron.is_white_kron_state(new):
+    return white_kron.keep_frozen(new, old, frozen)
   entries = _per_param_entries(new, params_def)
   if entries is not None:
     olds = _per_param_entries(old, params_def)

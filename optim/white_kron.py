@@ -58,6 +58,8 @@ from pallasopt.optim._base import FusedGradientTransformation, chained_transform
 __all__ = [
     "DenseState",
     "LeafState",
+    "is_white_kron_state",
+    "keep_frozen",
     "scale_by_quad",
     "scale_by_skew",
     "quad",
@@ -149,6 +151,41 @@ LeafState = _pytree_dataclass(
     ("kind", "scanned", "B", "shape", "merged", "nr", "nc", "block_size", "diag_left",
      "diag_right", "stack"),
 )
+
+
+def is_white_kron_state(state: Any) -> bool:
+  """Whether ``state`` is `scale_by_quad`'s / `scale_by_skew`'s state dict."""
+  return (
+      isinstance(state, dict) and {"count", "mu", "large"} <= set(state)
+      and all(isinstance(st, LeafState) for st in state["large"])
+  )
+
+
+def keep_frozen(new: dict, old: dict, frozen: list[bool]) -> dict:
+  """``new`` with every factor, estimate and moment of the frozen leaves from ``old``.
+
+  For the stage-local path's frozen (None-grad) leaves: their ``large``
+  entries, their blocks of the dense stack and their momentum are ``old``'s;
+  the count is ``new``'s.
+  """
+  out = dict(new, large=[o if f else n for n, o, f in zip(new["large"], old["large"], frozen,
+                                                           strict=True)])
+  if new["mu"] is not None:
+    leaves, treedef = jax.tree.flatten(new["mu"])
+    out["mu"] = treedef.unflatten(
+        [o if f else n for n, o, f in zip(leaves, jax.tree.leaves(old["mu"]), frozen, strict=True)])
+  if "dense" in new:
+    dense, old_dense = new["dense"], old["dense"]
+    kept = np.zeros(dense.Ql.shape[0], bool)
+    start = 0
+    for st, f in zip(new["large"], frozen, strict=True):
+      if st.kind == DENSE_PATH:
+        kept[start:start + st.B * st.nr * st.nc] = f
+        start += st.B * st.nr * st.nc
+    pick = lambda n, o: jnp.where(kept.reshape(-1, *[1] * (n.ndim - 1)), o, n)
+    out["dense"] = dataclasses.replace(dense, **{
+        name: pick(getattr(dense, name), getattr(old_dense, name)) for name in ("Ql", "Qr", "Ll", "Lr")})
+  return out
 
 
 # ---- Layout helpers. ----
@@ -382,6 +419,14 @@ def _white_kron(
           f"{owner}: opt_state has {len(leaf_states)} leaves' layouts; the grads have "
           f"{len(jax.tree.leaves(updates))} leaves. Use the state from this transform's init."
       )
+    for (path, leaf), st in zip(v.keyed_leaves(updates), leaf_states):
+      if math.prod(leaf.shape) != st.B * math.prod(st.merged):
+        raise ValueError(
+            f"{owner}: grads{path} has shape {leaf.shape}, but opt_state was built for "
+            f"{st.B} layer(s) of {st.merged}. White-Kron keeps the blocks of all leaves in one "
+            "stack, so its state cannot be split over a pipeline's stages: update the whole "
+            "model (or build the state for these shapes)."
+        )
     step = optax.safe_increment(state["count"])
     plr = jnp.maximum(preconditioner_lr * jax.lax.rsqrt(1.0 + step / _PRECOND_LR_HALF_LIFE),
                       _PRECOND_LR_FLOOR)

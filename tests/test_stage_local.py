@@ -518,7 +518,8 @@ def test_mismatched_trees_name_the_leaf():
 
 def test_unknown_and_wrong_configs_are_reported():
   with pytest.raises(ValueError, match=r"unknown optimizer_type 'adam'; registered optimizers are "
-                     r"\['adafactor', 'adamw', 'kron', 'lion', 'mars', 'muon', 'rmsprop'"):
+                     r"\['adafactor', 'adamw', 'kron', 'lion', 'mars', 'muon', 'quad', 'rmsprop', "
+                     r"'skew'\]"):
     _create("adam")
   with pytest.raises(ValueError, match=r"unknown scheduler_type 'exponential'; registered "
                      r"schedulers are \['constant', 'cosine', 'linear'"):

@@ -169,3 +169,13 @@ def test_transform_lowers_with_the_preconditioner_kernel(platform):
   text = lowered_text(lambda p, g, s: tx.apply_gradients(p, g, s), platform, params, params, state)
   # The dense blocks (one batch): preconditioning with the old and the new factors.
   assert text.count(CUSTOM_CALL[platform]) == 2
+
+
+def test_state_of_other_layer_counts_is_rejected_not_misread():
+  # A pipeline stage's slice of a stacked leaf has fewer layers than the state
+  # was built for; the block stack spans all of them, so this is an error.
+  tx = white_kron.skew(1e-3, block_size=4, dtype=jnp.float32, stacked_axes=1, impl="xla")
+  state = tx.init({"w": jnp.ones((4, 8, 8))})
+  with pytest.raises(ValueError, match=r"grads\['w'\] has shape \(1, 8, 8\), but opt_state was "
+                     r"built for 4 layer\(s\) of \(8, 8\).*cannot be split over a pipeline"):
+    tx.update({"w": jnp.ones((1, 8, 8))}, state, {"w": jnp.ones((1, 8, 8))})
