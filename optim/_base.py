@@ -38,8 +38,16 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
                   learning_rate=None) -> (updates, opt_state)
 
   is ``update`` with the same two options, for a step whose updates go
-  through another transform before they are applied (the factory's
-  scheduled weight decay); None when the transform does not provide it.
+  through another transform before they are applied; None when the
+  transform does not provide it.
+
+  A transform whose ``learning_rate`` attribute is set (the elementwise
+  ones) can fold a decay link that follows it in a chain: both entry points
+  then take ``decay_link=(rate, mask)``, adding ``rate * p`` to the update of
+  each masked leaf before the learning rate scales it, in the same kernel.
+  That is ``add_scheduled_weight_decay(lambda t: -learning_rate(t) * rate,
+  mask)`` after the transform, with the link's counter equal to the
+  transform's (as in the factory's chain).
   """
 
   # A NamedTuple subclass cannot add fields without breaking the
@@ -47,16 +55,22 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
   # path is an instance attribute.
   apply_gradients: ApplyFn
   scaled_update: ApplyFn | None
+  learning_rate: optax.ScalarOrSchedule | None
 
-  def __new__(cls, init, update, apply_gradients: ApplyFn, scaled_update: ApplyFn | None = None):
+  def __new__(
+      cls, init, update, apply_gradients: ApplyFn, scaled_update: ApplyFn | None = None,
+      learning_rate: optax.ScalarOrSchedule | None = None,
+  ):
     self = super().__new__(cls, init, update)
     self.apply_gradients = apply_gradients
     self.scaled_update = scaled_update
+    self.learning_rate = learning_rate
     return self
 
 
 def fused_transformation(
-    init_fn: Callable[[optax.Params], optax.OptState], step: Callable[..., Any]
+    init_fn: Callable[[optax.Params], optax.OptState], step: Callable[..., Any],
+    learning_rate: optax.ScalarOrSchedule | None = None,
 ) -> FusedGradientTransformation:
   """A `FusedGradientTransformation` whose two paths share one ``step``.
 
@@ -66,19 +80,26 @@ def fused_transformation(
       (first, new_state)``: ``mode="updates"`` (``params`` may be None)
       returns Optax updates, ``mode="apply"`` returns the new params. None
       ``grad_scale`` means 1, None ``learning_rate`` means the transform's own.
+      Keywords given to the fused entry points (``decay_link``) are passed on.
+    learning_rate: the transform's learning rate, when ``step`` takes
+      ``decay_link`` (see `FusedGradientTransformation`).
   """
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     return step(updates, state, params, "updates", None, None)
 
-  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
-    return step(grads, state, params, "apply", grad_scale, learning_rate)
+  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None, **options):
+    return step(grads, state, params, "apply", grad_scale, learning_rate, **options)
 
-  def scaled_update_fn(grads, state, params=None, *, grad_scale=None, learning_rate=None):
-    return step(grads, state, params, "updates", grad_scale, learning_rate)
+  def scaled_update_fn(
+      grads, state, params=None, *, grad_scale=None, learning_rate=None, **options
+  ):
+    return step(grads, state, params, "updates", grad_scale, learning_rate, **options)
 
-  return FusedGradientTransformation(init_fn, update_fn, apply_fn, scaled_update_fn)
+  return FusedGradientTransformation(
+      init_fn, update_fn, apply_fn, scaled_update_fn, learning_rate=learning_rate
+  )
 
 
 def chained_transformation(

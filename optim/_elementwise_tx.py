@@ -192,11 +192,11 @@ def fused_leaf_steps(
     grads: Any,
     params: list[Any],
     moments: Sequence[Any],
-    decays: list[bool],
+    decays: list[Any],
     *,
     mode: str,
     kernel: KernelFn,
-    scalars: Callable[[], tuple],
+    scalars: Callable[[Any], tuple],
     optax_fallback: Callable[..., tuple],
     grad_scale: Any,
     state_format: str | None,
@@ -210,8 +210,8 @@ def fused_leaf_steps(
   ``first`` (new params or updates) and each new moment tree have the
   structure of ``grads``.
 
-  A leaf runs ``kernel(p, g, *moments, scalars(), key, decay=, impl=,
-  state_rounding=[, param_rounding=])`` when its params, grads and moments
+  A leaf runs ``kernel(p, g, *moments, scalars(decay), key, decay=bool(decay),
+  impl=, state_rounding=[, param_rounding=])`` when its params, grads and moments
   are float32 or bfloat16 or its state is low-bit (which then needs such
   grads), else ``optax_fallback(p, g, moments, decay)`` (Optax's math in the
   leaf's dtypes, on grads already scaled by ``grad_scale``). The random key of
@@ -222,7 +222,9 @@ def fused_leaf_steps(
     grads: the gradient tree.
     params: the param leaves (None entries where they are not read).
     moments: the moment trees (8-bit moments as leaves).
-    decays: per leaf, whether it decays.
+    decays: per leaf, a hashable value that is false when the leaf does not
+      decay; ``scalars`` and ``optax_fallback`` get it (a family whose leaves
+      decay by different rates tells them apart by it).
   """
   state_rounding = "stochastic" if state_format == "bf16" else "nearest"
   rounds = state_format is not None or param_rounding == "stochastic"
@@ -241,7 +243,7 @@ def fused_leaf_steps(
       if mode == "apply":
         options["param_rounding"] = param_rounding
       key = quant.leaf_key(seed, count, index) if rounds else None
-      return kernel(p, g, *ms, scalars(), key, decay=decay, impl=impl, **options)
+      return kernel(p, g, *ms, scalars(decay), key, decay=bool(decay), impl=impl, **options)
     if grad_scale is not None:
       g = (g * grad_scale).astype(g.dtype)
     return optax_fallback(p, g, ms, decay)
@@ -341,7 +343,7 @@ def elementwise_transform(
     ]
     return state_cls(jnp.zeros([], jnp.int32), *moments), decay_tx.init(params), lr_tx.init(params)
 
-  def step(grads, state, params, mode, grad_scale, learning_rate_now):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None):
     moment_state, decay_state, lr_state = state
     moments = moment_state[1:]
     v.check_same_tree(
@@ -349,6 +351,11 @@ def elementwise_transform(
     )
     num_leaves = len(jax.tree.leaves(grads))
     decays = [False] * num_leaves if never_decays else v.broadcast_mask(owner, mask, grads)
+    if decay_link is not None:
+      # Per leaf (own decay, link decay): the kernels add both rates times p.
+      link_rate, link_mask = decay_link
+      links = v.broadcast_mask(owner, link_mask, grads)
+      decays = [(own, link) if own or link else False for own, link in zip(decays, links)]
     ps = v.checked_param_leaves(owner, params, grads, mode=mode, decays=decays)
 
     count = optax.safe_increment(moment_state.count)
@@ -357,15 +364,22 @@ def elementwise_transform(
     weight_decay_now = schedule_value(weight_decay, decay_state)
     kernel = apply_kernel if mode == "apply" else updates_kernel
 
+    def leaf_decay(decay):
+      """The leaf's decay rate: its own, plus the folded link's."""
+      if not isinstance(decay, tuple):
+        return weight_decay_now
+      own, link = decay
+      return (weight_decay_now if own else 0.0) + (link_rate if link else 0.0)
+
     @functools.cache
-    def step_scalars():  # built only if some leaf runs a kernel
+    def step_scalars(decay):  # built only if some leaf runs a kernel
       return scalars(
-          count, learning_rate_now, weight_decay_now, 1.0 if grad_scale is None else grad_scale
+          count, learning_rate_now, leaf_decay(decay), 1.0 if grad_scale is None else grad_scale
       )
 
     def optax_fallback(p, g, ms, decay):
       return optax_leaf(
-          p, g, ms, moment_state.count, learning_rate_now, weight_decay_now, decay, mode
+          p, g, ms, moment_state.count, learning_rate_now, leaf_decay(decay), bool(decay), mode
       )
 
     first, *new_moments = fused_leaf_steps(
@@ -380,4 +394,4 @@ def elementwise_transform(
     )
     return first, new_state
 
-  return fused_transformation(init_fn, step)
+  return fused_transformation(init_fn, step, learning_rate=learning_rate)

@@ -211,7 +211,7 @@ def mars(
     )
 
     @functools.cache
-    def scalars():
+    def scalars(unused_decay):
       return mars_kernels.mars_scalars(
           count, learning_rate_now, b1, b2, gamma, eps, eps_root,
           clip_scale=1.0 if clip is None else clip,

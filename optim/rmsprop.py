@@ -165,7 +165,7 @@ def rmsprop(
       learning_rate_now = schedule_value(learning_rate, lr_state)
 
     @functools.cache
-    def scalars():
+    def scalars(unused_decay):
       return rmsprop_kernels.rmsprop_scalars(
           learning_rate_now, decay, eps, count=count if bias_correction else None,
           momentum=momentum, grad_scale=1.0 if grad_scale is None else grad_scale,

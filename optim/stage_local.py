@@ -45,7 +45,7 @@ import optax
 from pallasopt.kernels import quant
 from pallasopt.optim import _validation as v
 from pallasopt.optim import white_kron
-from pallasopt.optim._base import FusedGradientTransformation
+from pallasopt.optim._base import FusedGradientTransformation, advance_schedule
 from pallasopt.optim.scheduled_decay import (
     OptaxScheduledWeightDecayState,
     add_scheduled_weight_decay,
@@ -544,12 +544,14 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
      place; with ``stacked_spec``, an optimizer whose ``apply_gradients``
      takes ``layer_index_fn`` (Kron) also gets the global indices of this
      shard's layers.
-  5. With ``weight_decay`` (the factory's decay link), step 4 runs
-     ``optimizer.scaled_update`` instead (the same kernels writing updates),
-     the link adds ``-schedule(t) * weight_decay * p`` to the masked leaves'
-     updates at its own count (``learning_rate_fn`` replaces the schedule
-     when given), and XLA applies them: eFormer's order of operations, and
-     one elementwise pass more than the fused apply.
+  5. With ``weight_decay`` (the factory's decay link, ``-schedule(t) *
+     weight_decay * p`` on the masked leaves): when the optimizer scales by
+     that same schedule (``optimizer.learning_rate is metadata.scheduler``,
+     or ``learning_rate_fn`` replaces both) and can fold it (AdamW, Lion),
+     its kernels add the decay in the same pass (``decay_link``); otherwise
+     step 4 runs ``optimizer.scaled_update`` (the same kernels writing
+     updates), the link adds its decay, and XLA applies them, in eFormer's
+     order of operations and with one elementwise pass more.
 
   The new state has the structure and dtypes ``tx.update`` produces.
 
@@ -596,7 +598,13 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
         if wants_layer_index and stacked_spec is not None else {}
     )
 
-    if metadata.weight_decay:
+    # The decay link folds into the optimizer's kernels when it scales by the
+    # same learning rate (the factory builds both from one schedule); else
+    # its updates go through the link before they are applied.
+    folds = bool(metadata.weight_decay) and optimizer.learning_rate is not None and (
+        learning_rate_fn is not None or optimizer.learning_rate is metadata.scheduler
+    )
+    if metadata.weight_decay and not folds:
       if optimizer.scaled_update is None:
         raise ValueError(
             f"{_OWNER}: metadata.weight_decay={metadata.weight_decay} needs the optimizer's "
@@ -613,16 +621,18 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
       state = chain_state[len(clip_state)]
       scale = None if clip is None else _clip_scale(grads, clip, axis_name, global_grad_norm)
       lr = None if learning_rate_fn is None else learning_rate_fn(_schedule_count(state))
+      options = dict(grad_scale=scale, learning_rate=lr, **layer_index)
       if not metadata.weight_decay:
-        new_params, state = optimizer.apply_gradients(
-            params, grads, state, grad_scale=scale, learning_rate=lr, **layer_index
-        )
+        new_params, state = optimizer.apply_gradients(params, grads, state, **options)
         return new_params, (*clip_state, state)
-      # The decay link adds to the optimizer's updates before they are applied,
-      # in eFormer's order (and rounding): p + (u + s(t) p).
-      updates, state = optimizer.scaled_update(
-          grads, state, params, grad_scale=scale, learning_rate=lr, **layer_index
-      )
+      if folds:
+        link = (metadata.weight_decay, metadata.weight_decay_mask)
+        new_params, state = optimizer.apply_gradients(
+            params, grads, state, decay_link=link, **options
+        )
+        return new_params, (*clip_state, state, advance_schedule(chain_state[-1]))
+      # eFormer's order (and rounding): p + (u + s(t) p).
+      updates, state = optimizer.scaled_update(grads, state, params, **options)
       updates, decay_state = decay_link.update(updates, chain_state[-1], params)
       return optax.apply_updates(params, updates), (*clip_state, state, decay_state)
 

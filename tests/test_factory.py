@@ -76,7 +76,8 @@ def _check_against_record(run, params, state):
     assert_trees_close((params, got_state), (want_params, want_state), rtol=RTOL)
 
 
-@pytest.mark.parametrize("run", RUNS)
+# bf16 White-Kron runs: without accumulation (its logic is the f32 runs').
+@pytest.mark.parametrize("run", [run for run in RUNS if not run.endswith("_bf16/k2")])
 def test_update_path_gives_eformers_params_and_state(run):
   tx, _ = _create(run, impl="xla")
 

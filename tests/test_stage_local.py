@@ -549,3 +549,25 @@ def test_unknown_and_wrong_configs_are_reported():
 def test_bad_scheduler_configs_are_named(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SchedulerConfig(**kwargs)
+
+
+def test_factory_decay_link_folds_into_the_fused_kernels():
+  # AdamW scales by the factory's schedule, so the scheduled decay link is
+  # added inside its kernels (decay_link) rather than by an extra pass; the
+  # result is the chain's (update path) and the link's count advances.
+  tx, schedule = _create("adamw", AdamWConfig(b2=0.95), COSINE, weight_decay=0.1,
+                         weight_decay_mask=MATRICES, clip_grad=0.5, impl="xla")
+  base = adamw(schedule, b2=0.95, weight_decay=0.0, impl="xla")
+  calls = []
+
+  def recording_apply(params, grads, state, **kwargs):
+    calls.append(sorted(kwargs))
+    return base.apply_gradients(params, grads, state, **kwargs)
+
+  fused = FusedGradientTransformation(base.init, base.update, recording_apply,
+                                      base.scaled_update, learning_rate=schedule)
+  spied = make_stage_local_gradient_transformation(tx, tx.metadata, fused_stage_local_apply(fused))
+  got, want = _trajectories(spied, tx, _params(), 3)
+  assert calls and all("decay_link" in c for c in calls)
+  assert_trees_close(got, want, rtol=1e-5)
+  assert int(got[1][-1].inner_state.count) == 3

@@ -125,8 +125,8 @@ def test_stacked_axes_equal_scanned_layers():
   kw = dict(block_size=4, dtype=jnp.float32, impl="xla")
   stacked = white_kron.quad(1e-2, **kw, stacked_axes=1)
   scanned = white_kron.quad(1e-2, **kw, scanned_layers={"w": True, "b": True})
-  got = stacked.update(grads, stacked.init(params), params)
-  want = scanned.update(grads, scanned.init(params), params)
+  got = jax.jit(stacked.update)(grads, stacked.init(params), params)
+  want = jax.jit(scanned.update)(grads, scanned.init(params), params)
   assert_trees_close(got, want, rtol=0)
 
 
@@ -136,12 +136,14 @@ def test_fused_entry_points_equal_the_chain():
   tx = white_kron.skew(optax.linear_schedule(1e-2, 1e-3, 10), block_size=4, dtype=jnp.float32,
                        impl="xla")
   state = tx.init(params)
-  updates, want_state = tx.update(jax.tree.map(lambda g: 0.5 * g, grads), state, params)
-  got, got_state = tx.apply_gradients(params, grads, state, grad_scale=0.5)
+  updates, want_state = jax.jit(tx.update)(jax.tree.map(lambda g: 0.5 * g, grads), state, params)
+  got, got_state = jax.jit(lambda p, g, s: tx.apply_gradients(p, g, s, grad_scale=0.5))(
+      params, grads, state)
   assert_trees_close((got, got_state), (optax.apply_updates(params, updates), want_state), rtol=0)
-  scaled, _ = tx.scaled_update(grads, state, params, learning_rate=2e-2)
-  unscaled, _ = white_kron.skew(2e-2, block_size=4, dtype=jnp.float32, impl="xla").update(
-      grads, state[:1] + (state[1], optax.EmptyState()), params)
+  scaled, _ = jax.jit(lambda g, s, p: tx.scaled_update(g, s, p, learning_rate=2e-2))(
+      grads, state, params)
+  constant = white_kron.skew(2e-2, block_size=4, dtype=jnp.float32, impl="xla")
+  unscaled, _ = jax.jit(constant.update)(grads, state[:1] + (state[1], optax.EmptyState()), params)
   assert_trees_close(scaled, unscaled, rtol=0)
 
 
