@@ -662,7 +662,7 @@ class KronOptimizer(OptimizerBuilder):
 
 
 
-def _white_kron(builder: OptimizerBuilder, style: str, scheduler: optax.Schedule):
+def _build_white_kron(builder: OptimizerBuilder, style: str, scheduler: optax.Schedule):
   fields = {f.name: getattr(builder.config, f.name) for f in dataclasses.fields(builder.config)}
   return _optimizer("white_kron", style)(
       scheduler, **fields, stacked_axes=builder.stacked_axes, impl=builder.impl
@@ -678,7 +678,7 @@ class QuadOptimizer(OptimizerBuilder):
   config: WhiteKronConfig
 
   def build(self, scheduler: optax.Schedule) -> optax.GradientTransformation:
-    return _white_kron(self, "quad", scheduler)
+    return _build_white_kron(self, "quad", scheduler)
 
 
 @register_optimizer("skew")
@@ -690,4 +690,4 @@ class SkewOptimizer(OptimizerBuilder):
   config: WhiteKronConfig
 
   def build(self, scheduler: optax.Schedule) -> optax.GradientTransformation:
-    return _white_kron(self, "skew", scheduler)
+    return _build_white_kron(self, "skew", scheduler)
