@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from bench import harness
 
 # One entry per optimizer family: the module bench/cases_<name>.py.
-FAMILIES: tuple[str, ...] = ("adamw", "lion", "rmsprop", "mars", "adafactor", "muon", "kron")
+FAMILIES: tuple[str, ...] = (
+    "adamw", "lion", "rmsprop", "mars", "adafactor", "muon", "kron", "white_kron",
+)
 
 
 def cases(tier: str, families: Sequence[str] = FAMILIES) -> list[harness.Case]:

@@ -21,6 +21,7 @@ from bench import (
     cases_lion,
     cases_mars,
     cases_rmsprop,
+    cases_white_kron,
     harness,
     kernels,
     plot,
@@ -428,3 +429,15 @@ def test_trace_cost_times_every_optimizer_against_its_reference(tmp_path, capsys
     assert r["leaves"] == 12 and r["pallasopt_s"] > 0 and r["reference_s"] > 0
     assert r["ratio"] == pytest.approx(r["pallasopt_s"] / r["reference_s"])
   assert f"wrote {out}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("style", cases_white_kron.STYLES)
+def test_white_kron_flops_model_counts_the_dense_block_matmuls(style):
+  # XLA's compiled count of the XLA step: at least the model's dense-block
+  # matmuls, and not much more at blocks of 32 (the rest: power iterations of
+  # 4 probes, elementwise terms; their share shrinks as 1 / block size).
+  case = cases_white_kron.case(cases_white_kron._stack(2, 64, 96), style, 32)
+  carry, consts = jax.jit(case.inputs)(jax.random.key(0))
+  cost = jax.jit(case.impls[0].build("xla")).lower(carry, consts).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  assert case.flops <= cost["flops"] <= 1.5 * case.flops
