@@ -68,6 +68,7 @@ class MarsScalars(NamedTuple):
   correction: jax.typing.ArrayLike  # gamma * b1 / (1 - b1)
   clip_scale: jax.typing.ArrayLike  # s, the global-norm clip of c (1: none)
   grad_scale: jax.typing.ArrayLike  # multiplies g on load, e.g. a clip factor
+  decay_rate: jax.typing.ArrayLike  # r of a decaying leaf's u + r p
 
 
 def correction_coefficient(gamma: float, b1: float) -> float:
@@ -86,8 +87,10 @@ def mars_scalars(
     *,
     clip_scale: jax.typing.ArrayLike = 1.0,
     grad_scale: jax.typing.ArrayLike = 1.0,
+    decay_rate: jax.typing.ArrayLike = 0.0,
 ) -> MarsScalars:
-  """The scalars of step ``count`` (counted from 1)."""
+  """The scalars of step ``count`` (counted from 1); ``decay_rate`` the ``r``
+  of decaying leaves (a weight-decay link after MARS, e.g. ``-lr * wd``)."""
   count = jnp.asarray(count)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   return MarsScalars(
@@ -95,29 +98,35 @@ def mars_scalars(
       one_minus_b2=f32(1 - b2), eps=f32(eps), eps_root=f32(eps_root),
       bias_correction1=f32(1 - b1**count), bias_correction2=f32(1 - b2**count),
       correction=f32(correction_coefficient(gamma, b1)), clip_scale=f32(clip_scale),
-      grad_scale=f32(grad_scale),
+      grad_scale=f32(grad_scale), decay_rate=f32(decay_rate),
   )
 
 
 def _mars_math(s: MarsScalars, p, g, mu, nu, mog, *, decay: bool):
-  """The update on f32 values: returns ``(u, mu, nu, g)``; MARS itself never decays."""
-  del p, decay
+  """The update on f32 values: returns ``(u, mu, nu, g)``.
+
+  MARS itself never decays; ``decay`` adds a following weight-decay link's
+  ``decay_rate * p``.
+  """
   g = g * s.grad_scale
   c = (g + s.correction * (g - mog)) * s.clip_scale
   mu = s.one_minus_b1 * c + s.b1 * mu
   nu = s.one_minus_b2 * (c * c) + s.b2 * nu
-  u = (mu / s.bias_correction1) / (jnp.sqrt(nu / s.bias_correction2 + s.eps_root) + s.eps)
-  return -s.learning_rate * u, mu, nu, g
+  u = -s.learning_rate * (
+      (mu / s.bias_correction1) / (jnp.sqrt(nu / s.bias_correction2 + s.eps_root) + s.eps))
+  if decay:
+    u = u + s.decay_rate * p
+  return u, mu, nu, g
 
 
 def mars_reference(
-    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, mode: str,
+    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, mode: str, decay: bool = False,
     state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """Pure-jnp MARS; the XLA path and the kernels' specification.
 
   Args:
-    p: params, or None in ``"updates"`` mode.
+    p: params, or None in ``"updates"`` mode without decay.
     g: gradient.
     mu, nu: the moments (arrays, or `quant.Int8Blockwise`: mu signed, nu
       unsigned).
@@ -126,17 +135,19 @@ def mars_reference(
     key: the leaf's random key, when something rounds stochastically.
     mode: ``"apply"`` returns ``(p + u, mu, nu, g)``; ``"updates"``
       ``(u, mu, nu, g)``.
+    decay: add ``decay_rate * p`` to the update.
     state_rounding, param_rounding: see `_elementwise.reference_update`.
   """
   return reference_update(
-      _mars_math, p, g, (mu, nu, mog), scalars, mode=mode, decay=False, signed=SIGNED,
+      _mars_math, p, g, (mu, nu, mog), scalars, mode=mode, decay=decay, signed=SIGNED,
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 
 
 def mars_kernel(
-    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, mode: str, backend: str,
-    interpret: bool = False, state_rounding: str = "nearest", param_rounding: str = "nearest",
+    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, mode: str, decay: bool = False,
+    backend: str, interpret: bool = False, state_rounding: str = "nearest",
+    param_rounding: str = "nearest",
 ):
   """Pallas MARS, same signature and results as `mars_reference`.
 
@@ -145,7 +156,7 @@ def mars_kernel(
     interpret: run in the Pallas interpreter.
   """
   return kernel_update(
-      _mars_math, p, g, (mu, nu, mog), scalars, mode=mode, decay=False, backend=backend,
+      _mars_math, p, g, (mu, nu, mog), scalars, mode=mode, decay=decay, backend=backend,
       interpret=interpret, name="mars", flops_per_element=FLOPS_PER_ELEMENT,
       transcendentals_per_element=1, signed=SIGNED, state_rounding=state_rounding,
       param_rounding=param_rounding, key=key,
@@ -153,8 +164,8 @@ def mars_kernel(
 
 
 def mars_apply(
-    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, impl: str = "auto",
-    state_rounding: str = "nearest", param_rounding: str = "nearest",
+    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, decay: bool = False,
+    impl: str = "auto", state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """One fused MARS step: returns ``(p + u, mu, nu, g)`` (see `mars_reference`)."""
   moments = (mu, nu, mog)
@@ -162,18 +173,19 @@ def mars_apply(
       mars_reference, mars_kernel, impl, auto_on_cuda=cuda_auto(moments),
       elementwise=per_element(moments, state_rounding, param_rounding),
   )
-  return fn(p, g, mu, nu, mog, scalars, key, mode="apply", state_rounding=state_rounding,
-            param_rounding=param_rounding)
+  return fn(p, g, mu, nu, mog, scalars, key, mode="apply", decay=decay,
+            state_rounding=state_rounding, param_rounding=param_rounding)
 
 
 def mars_updates(
-    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, impl: str = "auto",
-    state_rounding: str = "nearest",
+    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, decay: bool = False,
+    impl: str = "auto", state_rounding: str = "nearest",
 ):
-  """MARS in Optax form: returns ``(u, mu, nu, g)``; ``p`` is not read."""
+  """MARS in Optax form: returns ``(u, mu, nu, g)``; ``p`` is read only with decay."""
   moments = (mu, nu, mog)
   fn = dispatch(
       mars_reference, mars_kernel, impl, auto_on_cuda=cuda_auto(moments),
       elementwise=per_element(moments, state_rounding),
   )
-  return fn(None, g, mu, nu, mog, scalars, key, mode="updates", state_rounding=state_rounding)
+  return fn(p if decay else None, g, mu, nu, mog, scalars, key, mode="updates", decay=decay,
+            state_rounding=state_rounding)

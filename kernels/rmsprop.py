@@ -21,7 +21,9 @@ momentum. With step :math:`t`, decay :math:`\rho` and gradient :math:`g`:
 
 where the hats divide by :math:`1 - \rho^t` with ``bias_correction`` (else
 1), :math:`\hat\mu = 0` unless centered, and the trace :math:`\tau` exists
-only with momentum :math:`\beta`. The moments in kernel order are
+only with momentum :math:`\beta`. With ``decay=True`` (a weight-decay link
+that follows the chain, as eFormer's factory appends one), a leaf's update
+becomes :math:`u + r\,p`, ``r`` the scalars' ``decay_rate``. The moments in kernel order are
 ``(mu if centered, nu, trace if momentum)``; modes, dtypes, 8-bit moments and
 stochastic rounding are those of `_elementwise.kernel_update`.
 
@@ -70,6 +72,7 @@ class RMSPropScalars(NamedTuple):
   bias_correction: jax.typing.ArrayLike  # 1 - decay**t, or 1 without correction
   momentum: jax.typing.ArrayLike  # 0 without momentum
   grad_scale: jax.typing.ArrayLike  # multiplies g on load, e.g. a clip factor
+  decay_rate: jax.typing.ArrayLike  # r of a decaying leaf's u + r p
 
 
 def rmsprop_scalars(
@@ -80,8 +83,10 @@ def rmsprop_scalars(
     count: jax.typing.ArrayLike | None = None,
     momentum: jax.typing.ArrayLike | None = None,
     grad_scale: jax.typing.ArrayLike = 1.0,
+    decay_rate: jax.typing.ArrayLike = 0.0,
 ) -> RMSPropScalars:
-  """The scalars of one step; ``count`` (from 1) only with bias correction."""
+  """The scalars of one step; ``count`` (from 1) only with bias correction;
+  ``decay_rate`` the ``r`` of decaying leaves (e.g. ``-lr * weight_decay``)."""
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   correction = 1.0 if count is None else 1 - decay ** jnp.asarray(count)
   return RMSPropScalars(
@@ -92,6 +97,7 @@ def rmsprop_scalars(
       bias_correction=f32(correction),
       momentum=f32(0.0 if momentum is None else momentum),
       grad_scale=f32(grad_scale),
+      decay_rate=f32(decay_rate),
   )
 
 
@@ -104,8 +110,7 @@ def _rmsprop_math(
     s: RMSPropScalars, p, g, *moments, centered: bool, eps_in_sqrt: bool, momentum: bool,
     nesterov: bool, decay: bool,
 ):
-  """The update on f32 values: returns ``(u, *moments)``; RMSProp never decays."""
-  del p, decay
+  """The update on f32 values: returns ``(u, *moments)``."""
   rest = iter(moments)
   mu = next(rest) if centered else None
   nu = next(rest)
@@ -127,6 +132,8 @@ def _rmsprop_math(
     trace = u + s.momentum * trace
     u = u + s.momentum * trace if nesterov else trace
     new += (trace,)
+  if decay:
+    u = u + s.decay_rate * p
   return (u, *new)
 
 
@@ -139,13 +146,13 @@ def _math(centered, eps_in_sqrt, momentum, nesterov):
 
 def rmsprop_reference(
     p, g, moments, scalars: RMSPropScalars, key=None, *, mode: str, centered: bool,
-    eps_in_sqrt: bool, nesterov: bool, state_rounding: str = "nearest",
+    eps_in_sqrt: bool, nesterov: bool, decay: bool = False, state_rounding: str = "nearest",
     param_rounding: str = "nearest",
 ):
   """Pure-jnp RMSProp; the XLA path and the kernels' specification.
 
   Args:
-    p: params, or None in ``"updates"`` mode.
+    p: params, or None in ``"updates"`` mode without decay.
     g: gradient.
     moments: ``(mu if centered, nu, trace if momentum)``, arrays or
       `quant.Int8Blockwise` (mu and trace on the signed map, nu unsigned).
@@ -155,20 +162,21 @@ def rmsprop_reference(
     mode: ``"apply"`` returns ``(p + u, *moments)``; ``"updates"``
       ``(u, *moments)``.
     centered, eps_in_sqrt, nesterov: as `optax.rmsprop`.
+    decay: add ``decay_rate * p`` to the update (see the module docstring).
     state_rounding, param_rounding: see `_elementwise.reference_update`.
   """
   momentum = len(moments) == 1 + centered + 1
   return reference_update(
       _math(centered, eps_in_sqrt, momentum, nesterov), p, g, moments, scalars, mode=mode,
-      decay=False, signed=moment_signs(centered=centered, momentum=momentum),
+      decay=decay, signed=moment_signs(centered=centered, momentum=momentum),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 
 
 def rmsprop_kernel(
     p, g, moments, scalars: RMSPropScalars, key=None, *, mode: str, centered: bool,
-    eps_in_sqrt: bool, nesterov: bool, backend: str, interpret: bool = False,
-    state_rounding: str = "nearest", param_rounding: str = "nearest",
+    eps_in_sqrt: bool, nesterov: bool, decay: bool = False, backend: str,
+    interpret: bool = False, state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """Pallas RMSProp, same signature and results as `rmsprop_reference`.
 
@@ -179,7 +187,7 @@ def rmsprop_kernel(
   momentum = len(moments) == 1 + centered + 1
   return kernel_update(
       _math(centered, eps_in_sqrt, momentum, nesterov), p, g, moments, scalars, mode=mode,
-      decay=False, backend=backend, interpret=interpret, name="rmsprop",
+      decay=decay, backend=backend, interpret=interpret, name="rmsprop",
       flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1,
       signed=moment_signs(centered=centered, momentum=momentum),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
@@ -196,24 +204,25 @@ def _run(p, g, moments, scalars, key, *, mode, impl, rounding, **config):
 
 def rmsprop_apply(
     p, g, moments, scalars: RMSPropScalars, key=None, *, centered: bool = False,
-    eps_in_sqrt: bool = True, nesterov: bool = False, impl: str = "auto",
+    eps_in_sqrt: bool = True, nesterov: bool = False, decay: bool = False, impl: str = "auto",
     state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """One fused RMSProp step: returns ``(p + u, *moments)`` (see `rmsprop_reference`)."""
   return _run(
       p, g, moments, scalars, key, mode="apply", impl=impl, centered=centered,
-      eps_in_sqrt=eps_in_sqrt, nesterov=nesterov,
+      eps_in_sqrt=eps_in_sqrt, nesterov=nesterov, decay=decay,
       rounding=dict(state_rounding=state_rounding, param_rounding=param_rounding),
   )
 
 
 def rmsprop_updates(
     p, g, moments, scalars: RMSPropScalars, key=None, *, centered: bool = False,
-    eps_in_sqrt: bool = True, nesterov: bool = False, impl: str = "auto",
+    eps_in_sqrt: bool = True, nesterov: bool = False, decay: bool = False, impl: str = "auto",
     state_rounding: str = "nearest",
 ):
-  """RMSProp in Optax form: returns ``(u, *moments)``; ``p`` is not read."""
+  """RMSProp in Optax form: returns ``(u, *moments)``; ``p`` is read only with decay."""
   return _run(
-      None, g, moments, scalars, key, mode="updates", impl=impl, centered=centered,
-      eps_in_sqrt=eps_in_sqrt, nesterov=nesterov, rounding=dict(state_rounding=state_rounding),
+      p if decay else None, g, moments, scalars, key, mode="updates", impl=impl,
+      centered=centered, eps_in_sqrt=eps_in_sqrt, nesterov=nesterov, decay=decay,
+      rounding=dict(state_rounding=state_rounding),
   )

@@ -41,13 +41,13 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
   through another transform before they are applied; None when the
   transform does not provide it.
 
-  A transform whose ``learning_rate`` attribute is set (the elementwise
-  ones) can fold a decay link that follows it in a chain: both entry points
-  then take ``decay_link=(rate, mask)``, adding ``rate * p`` to the update of
-  each masked leaf before the learning rate scales it, in the same kernel.
-  That is ``add_scheduled_weight_decay(lambda t: -learning_rate(t) * rate,
-  mask)`` after the transform, with the link's counter equal to the
-  transform's (as in the factory's chain).
+  A transform whose ``learning_rate`` attribute is set (AdamW, Lion,
+  RMSProp, MARS) can fold a decay link that follows it in a chain: both
+  entry points then take ``decay_link=(rate, mask)`` and add
+  ``-learning_rate(t) * rate * p`` to the update of each masked leaf, in the
+  same kernel. That is ``add_scheduled_weight_decay(lambda t:
+  -learning_rate(t) * rate, mask)`` after the transform, with the link's
+  counter equal to the transform's (as in the factory's chain).
   """
 
   # A NamedTuple subclass cannot add fields without breaking the

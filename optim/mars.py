@@ -186,19 +186,24 @@ def mars(
     run = mars_kernels.mars_apply if mode == "apply" else mars_kernels.mars_updates
 
     def kernel(p, g, mu, nu, mog, scalars, key, *, decay, impl, **rounding):
-      del decay
-      return run(p, g, mu, nu, mog, scalars, key, impl=impl, **rounding)
+      return run(p, g, mu, nu, mog, scalars, key, decay=decay, impl=impl, **rounding)
 
     return kernel
 
-  def step(grads, state, params, mode, grad_scale, learning_rate_now):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None):
     mars_state, lr_state = state
     v.check_same_tree(_OWNER, "grads", grads, "opt_state[0].mu", moment_arrays(mars_state.mu))
-    decays = [False] * len(jax.tree.leaves(grads))
+    # MARS has no decay of its own; a folded decay link adds -lr * rate * p.
+    link_rate, link_mask = decay_link or (0.0, None)
+    decays = (
+        v.broadcast_mask(_OWNER, link_mask, grads) if decay_link
+        else [False] * len(jax.tree.leaves(grads))
+    )
     ps = v.checked_param_leaves(_OWNER, params, grads, mode=mode, decays=decays)
     count = optax.safe_increment(mars_state.count)
     if learning_rate_now is None:
       learning_rate_now = schedule_value(learning_rate, lr_state)
+    decay_rate = -learning_rate_now * link_rate
     moments = (mars_state.mu, mars_state.nu, mars_state.mog)
     gs = jax.tree.leaves(grads)
     if grad_scale is not None:
@@ -215,12 +220,11 @@ def mars(
       return mars_kernels.mars_scalars(
           count, learning_rate_now, b1, b2, gamma, eps, eps_root,
           clip_scale=1.0 if clip is None else clip,
-          grad_scale=1.0 if grad_scale is None else grad_scale,
+          grad_scale=1.0 if grad_scale is None else grad_scale, decay_rate=decay_rate,
       )
 
     def optax_fallback(p, g, ms, decay):
-      """One leaf through `scale_by_mars` and the lr, in its own dtypes."""
-      del decay
+      """One leaf through `scale_by_mars`, the lr (and the folded decay link), in its dtypes."""
       mu, nu, mog = ms
       c = _variance_reduced(g, mog, gamma, b1)
       if clip is not None:
@@ -229,6 +233,8 @@ def mars(
       leaf = scale_by_mars(b1, b2, 0.0, eps, eps_root, None, mu_dtype)
       (u,), new = leaf.update([c], ScaleByMarsState(mars_state.count, [mu], [nu], [mog]))
       u = jnp.asarray(-learning_rate_now, jnp.result_type(u)) * u
+      if decay:
+        u = u + decay_rate * p
       first = optax.apply_updates(p, u) if mode == "apply" else u
       return (first, new.mu[0], new.nu[0], g)
 
@@ -240,4 +246,4 @@ def mars(
     )
     return first, (ScaleByMarsState(count, mu, nu, mog), advance_schedule(lr_state))
 
-  return fused_transformation(init_fn, step)
+  return fused_transformation(init_fn, step, learning_rate=learning_rate)

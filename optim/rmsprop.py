@@ -146,34 +146,38 @@ def rmsprop(
   def apply_kernel(p, g, *rest, decay, impl, **rounding):
     *ms, scalars, key = rest
     return rmsprop_kernels.rmsprop_apply(
-        p, g, tuple(ms), scalars, key, impl=impl, **kernel_config, **rounding)
+        p, g, tuple(ms), scalars, key, decay=decay, impl=impl, **kernel_config, **rounding)
 
   def updates_kernel(p, g, *rest, decay, impl, **rounding):
     *ms, scalars, key = rest
     return rmsprop_kernels.rmsprop_updates(
-        p, g, tuple(ms), scalars, key, impl=impl, **kernel_config, **rounding)
+        p, g, tuple(ms), scalars, key, decay=decay, impl=impl, **kernel_config, **rounding)
 
-  def step(grads, state, params, mode, grad_scale, learning_rate_now):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None):
     rms, lr_state, trace_state = state
     moments = moment_trees(state)
     v.check_same_tree(_OWNER, "grads", grads, "opt_state[0].nu", moment_arrays(rms.nu))
     leaves = len(jax.tree.leaves(grads))
-    decays = [False] * leaves
+    # RMSProp has no decay of its own; a folded decay link adds -lr * rate * p.
+    link_rate, link_mask = decay_link or (0.0, None)
+    decays = v.broadcast_mask(_OWNER, link_mask, grads) if decay_link else [False] * leaves
     ps = v.checked_param_leaves(_OWNER, params, grads, mode=mode, decays=decays)
     count = optax.safe_increment(rms.count) if counted else jnp.zeros([], jnp.int32)
     if learning_rate_now is None:
       learning_rate_now = schedule_value(learning_rate, lr_state)
+
+    decay_rate = -learning_rate_now * link_rate
 
     @functools.cache
     def scalars(unused_decay):
       return rmsprop_kernels.rmsprop_scalars(
           learning_rate_now, decay, eps, count=count if bias_correction else None,
           momentum=momentum, grad_scale=1.0 if grad_scale is None else grad_scale,
+          decay_rate=decay_rate,
       )
 
     def optax_fallback(p, g, ms, decay_leaf):
-      """One leaf through Optax's links, in its own dtypes."""
-      del decay_leaf
+      """One leaf through Optax's links (and the folded decay link), in its own dtypes."""
       ms = list(ms)
       fields = {"mu": [ms.pop(0)]} if centered else {}
       fields["nu"] = [ms.pop(0)]
@@ -186,6 +190,8 @@ def rmsprop(
       if trace_tx is not None:
         (u,), new_trace = trace_tx.update([u], optax.TraceState(trace=[ms.pop(0)]))
         new.append(new_trace.trace[0])
+      if decay_leaf:
+        u = u + decay_rate * p
       first = optax.apply_updates(p, u) if mode == "apply" else u
       return (first, *new)
 
@@ -198,4 +204,4 @@ def rmsprop(
     new_rms, _, new_trace = with_moments(state, new_moments, count)
     return first, (new_rms, advance_schedule(lr_state), new_trace)
 
-  return fused_transformation(init_fn, step)
+  return fused_transformation(init_fn, step, learning_rate=learning_rate)

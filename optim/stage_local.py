@@ -547,7 +547,8 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
   5. With ``weight_decay`` (the factory's decay link, ``-schedule(t) *
      weight_decay * p`` on the masked leaves): when the optimizer scales by
      that same schedule (``optimizer.learning_rate is metadata.scheduler``,
-     or ``learning_rate_fn`` replaces both) and can fold it (AdamW, Lion),
+     or ``learning_rate_fn`` replaces both) and can fold it (AdamW, Lion,
+     RMSProp, MARS),
      its kernels add the decay in the same pass (``decay_link``); otherwise
      step 4 runs ``optimizer.scaled_update`` (the same kernels writing
      updates), the link adds its decay, and XLA applies them, in eFormer's

@@ -40,7 +40,7 @@ _RECORDED = json.loads((pathlib.Path(__file__).parent / "data" / "eformer_mars.j
 def test_kernel_equals_reference_over_steps(
     shape, param_dtype, grad_dtype, mu_dtype, mode, decay, backend, seed, clip
 ):
-  del decay  # MARS itself has no weight decay
+  # decay: a weight-decay link folded after MARS (u + r p).
   rng = np.random.default_rng(seed)
   p = random_array(rng, shape, param_dtype)
   mu = random_array(rng, shape, mu_dtype, scale=0.1)
@@ -49,9 +49,10 @@ def test_kernel_equals_reference_over_steps(
   for step in range(1, 4):
     g = random_array(rng, shape, grad_dtype)
     s = mars_k.mars_scalars(step, 1e-2, 0.95, 0.99, 0.025, 1e-8, 0.0, clip_scale=clip,
-                            grad_scale=0.5)
-    want = mars_k.mars_reference(p, g, mu, nu, mog, s, mode=mode)
-    got = mars_k.mars_kernel(p, g, mu, nu, mog, s, mode=mode, backend=backend, interpret=True)
+                            grad_scale=0.5, decay_rate=-1e-3)
+    want = mars_k.mars_reference(p, g, mu, nu, mog, s, mode=mode, decay=decay)
+    got = mars_k.mars_kernel(p, g, mu, nu, mog, s, mode=mode, decay=decay, backend=backend,
+                             interpret=True)
     for a, b in zip(got, want):
       assert a.dtype == b.dtype
       assert_close(a, b, tolerance(a.dtype), err_msg=f"step {step}", operands=(p,))

@@ -50,7 +50,7 @@ def test_kernel_equals_reference_over_steps(
     shape, param_dtype, grad_dtype, mu_dtype, mode, decay, backend, seed, centered, momentum,
     nesterov, eps_in_sqrt, bias_correction,
 ):
-  del decay  # RMSProp has no weight decay
+  # decay: a weight-decay link folded after RMSProp (u + r p).
   rng = np.random.default_rng(seed)
   p = random_array(rng, shape, param_dtype)
   moments = _moments(rng, shape, mu_dtype, centered=centered, momentum=momentum)
@@ -60,12 +60,13 @@ def test_kernel_equals_reference_over_steps(
     # rounding may make negative: NaN in Optax too unless eps is inside.
     assume(not (centered and not eps_in_sqrt))
     moments = tuple(jnp.zeros_like(m) for m in moments)
-  config = dict(mode=mode, centered=centered, eps_in_sqrt=eps_in_sqrt, nesterov=nesterov)
+  config = dict(mode=mode, centered=centered, eps_in_sqrt=eps_in_sqrt, nesterov=nesterov,
+                decay=decay)
   for step in range(1, 4):
     g = random_array(rng, shape, grad_dtype)
     s = rmsprop_k.rmsprop_scalars(
         1e-2, 0.9, 1e-2, count=step if bias_correction else None,
-        momentum=0.9 if momentum else None, grad_scale=0.5,
+        momentum=0.9 if momentum else None, grad_scale=0.5, decay_rate=-1e-3,
     )
     want = rmsprop_k.rmsprop_reference(p, g, moments, s, **config)
     got = rmsprop_k.rmsprop_kernel(p, g, moments, s, **config, backend=backend, interpret=True)

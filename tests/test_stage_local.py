@@ -551,13 +551,15 @@ def test_bad_scheduler_configs_are_named(kwargs, match):
     SchedulerConfig(**kwargs)
 
 
-def test_factory_decay_link_folds_into_the_fused_kernels():
-  # AdamW scales by the factory's schedule, so the scheduled decay link is
-  # added inside its kernels (decay_link) rather than by an extra pass; the
-  # result is the chain's (update path) and the link's count advances.
-  tx, schedule = _create("adamw", AdamWConfig(b2=0.95), COSINE, weight_decay=0.1,
-                         weight_decay_mask=MATRICES, clip_grad=0.5, impl="xla")
-  base = adamw(schedule, b2=0.95, weight_decay=0.0, impl="xla")
+@pytest.mark.parametrize("name", ["adamw", "lion", "rmsprop", "mars"])
+def test_factory_decay_link_folds_into_the_fused_kernels(name):
+  # These optimizers scale by the factory's schedule, so the scheduled decay
+  # link is added inside their kernels (decay_link) rather than by an extra
+  # pass; the result is the chain's (update path) and the link's count advances.
+  tx, schedule = _create(name, None, COSINE, weight_decay=0.1, weight_decay_mask=MATRICES,
+                         clip_grad=0.5, impl="xla")
+  base = factory._OPTIMIZER_BUILDERS[name](config=tx.metadata.optimizer_config,
+                                           impl="xla").build(schedule)
   calls = []
 
   def recording_apply(params, grads, state, **kwargs):
