@@ -76,38 +76,41 @@ def _check_against_record(run, params, state):
     assert_trees_close((params, got_state), (want_params, want_state), rtol=RTOL)
 
 
-# bf16 White-Kron runs: without accumulation (its logic is the f32 runs').
-@pytest.mark.parametrize("run", [run for run in RUNS if not run.endswith("_bf16/k2")])
-def test_update_path_gives_eformers_params_and_state(run):
-  tx, _ = _create(run, impl="xla")
+def _trajectories(tx, run, paths):
+  """``{path: (params, state)}`` after the run's calls, for ``"update"`` (tx.update
+  and optax.apply_updates) and ``"stage_local"`` (the stage-local step), one jit."""
 
-  @jax.jit
-  def trajectory(params):
-    def call(carry, i):
-      params, state = carry
-      updates, state = tx.update(_grads(params, i), state, params)
-      return (optax.apply_updates(params, updates), state), None
-
+  def scan(call, params):
     return jax.lax.scan(call, (params, tx.init(params)), jnp.arange(_calls(run)))[0]
 
-  _check_against_record(run, *trajectory(_params()))
+  def update_call(carry, i):
+    params, state = carry
+    updates, state = tx.update(_grads(params, i), state, params)
+    return (optax.apply_updates(params, updates), state), None
+
+  def stage_local_call(carry, i):
+    params, state = carry
+    return tx.apply_gradients_stage_local(
+        params=params, grads=_grads(params, i), opt_state=state), None
+
+  calls = {"update": update_call, "stage_local": stage_local_call}
+  return jax.jit(lambda params: {path: scan(calls[path], params) for path in paths})(_params())
 
 
-@pytest.mark.parametrize(
-    "run,impl",
-    # bf16 White-Kron runs follow the same code as their f32 runs, whose
-    # stage-local path is checked here; the update path checks them.
-    [(run, "xla") for run in RUNS if "_bf16" not in run]
-    + [(run, "interpret") for run in ("adamw/k1", "mars/k2", "quad/k1", "skew/k2")],
-)
-def test_jitted_stage_local_path_gives_eformers_params_and_state(run, impl):
-  tx, _ = _create(run, impl=impl)
-  step = jax.jit(lambda p, g, s: tx.apply_gradients_stage_local(params=p, grads=g, opt_state=s))
-  params = _params()
-  state = tx.init(params)
-  for i in range(_calls(run)):
-    params, state = step(params, _grads(params, i), state)
-  _check_against_record(run, params, state)
+# bf16 White-Kron runs: without accumulation (its logic is the f32 runs'); their
+# stage-local path runs the same code as the f32 runs'.
+@pytest.mark.parametrize("run", [run for run in RUNS if not run.endswith("_bf16/k2")])
+def test_update_and_jitted_stage_local_paths_give_eformers_params_and_state(run):
+  tx, _ = _create(run, impl="xla")
+  paths = ("update",) if "_bf16" in run else ("update", "stage_local")
+  for result in _trajectories(tx, run, paths).values():
+    _check_against_record(run, *result)
+
+
+@pytest.mark.parametrize("run", ["adamw/k1", "mars/k2", "quad/k1", "skew/k2"])
+def test_interpreted_kernels_give_eformers_params_and_state(run):
+  tx, _ = _create(run, impl="interpret")
+  _check_against_record(run, *_trajectories(tx, run, ("stage_local",))["stage_local"])
 
 
 @pytest.mark.parametrize("name", sorted({run.split("/")[0] for run in RUNS if "bf16" not in run}))
