@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -283,7 +284,10 @@ def _white_kron(
   if dtype not in (jnp.bfloat16, jnp.float32):
     raise ValueError(f"{owner}: dtype must be bfloat16 or float32; got {dtype}.")
   if lr_style not in ("adam", None):
-    raise ValueError(f"{owner}: lr_style must be 'adam' or None; got {lr_style!r}.")
+    # eFormer scales only for "adam" and accepts anything else as None.
+    warnings.warn(
+        f"{owner}: lr_style={lr_style!r} is neither 'adam' nor None; the updates are not "
+        "rescaled (as in eFormer, where only 'adam' divides them by 5).", stacklevel=3)
   v.check_hyperparameter(owner, "b1", b1, high=1.0, high_inclusive=False)
   for name, value in (("block_size", block_size), ("max_size_dense", max_size_dense),
                       ("pipeline_axis_size", pipeline_axis_size)):
@@ -534,7 +538,7 @@ def _scale_by(style: str):
 _SCALE_ARGS = """
   Args:
     lr_style: ``"adam"`` divides the output by 5 (Adam-like step sizes); None
-      keeps it.
+      (or any other value, with a warning, as eFormer accepts) keeps it.
     b1: momentum decay (0: none).
     normalize_grads: divide each (momentum) leaf by its norm first.
     max_size_dense: largest dim that gets a dense factor.
