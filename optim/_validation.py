@@ -130,6 +130,26 @@ def check_hyperparameter(
     )
 
 
+def is_int(value: Any) -> bool:
+  """A Python int that is not a bool."""
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_accumulation_and_clip(
+    owner: str, gradient_accumulation_steps: Any, clip_grad: Any
+) -> None:
+  """A stage-local chain's ``gradient_accumulation_steps`` (an int >= 1) and
+  ``clip_grad`` (None, or a finite number >= 0)."""
+  k = gradient_accumulation_steps
+  if not is_int(k) or k < 1:
+    raise ValueError(f"{owner}: gradient_accumulation_steps must be an int >= 1; got {k!r}.")
+  clip = clip_grad
+  if clip is not None and (
+      not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0
+  ):
+    raise ValueError(f"{owner}: clip_grad must be None or a finite number >= 0; got {clip!r}.")
+
+
 def broadcast_mask(
     owner: str, mask: Any | Callable[[Any], Any] | None, tree: Any
 ) -> list[bool]:

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pallasopt.optim import _validation as v
+
 __all__ = [
     "SerializationMixin",
     "AdamWConfig",
@@ -450,10 +452,6 @@ class ScionConfig(SerializationMixin):
 # ---- Scheduler config. ----
 
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclasses.dataclass
 class SchedulerConfig(SerializationMixin):
   """A learning-rate schedule, as eFormer's ``SchedulerConfig`` describes it.
@@ -506,7 +504,7 @@ class SchedulerConfig(SerializationMixin):
       )
     for name in ("warmup_steps", "steps"):
       value = getattr(self, name)
-      if value is not None and (not _is_int(value) or value < 0):
+      if value is not None and (not v.is_int(value) or value < 0):
         raise ValueError(f"{where}: {name} must be None or an int >= 0; got {value!r}.")
     constant = self.scheduler_type in (None, "constant")
     if not constant and not self.steps:

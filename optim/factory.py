@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import optax
 
 from pallasopt.kernels._dispatch import resolve_impl
+from pallasopt.optim import _validation as v
 from pallasopt.optim._base import FusedGradientTransformation
 from pallasopt.optim.configs import (
     AdafactorConfig,
@@ -454,15 +455,10 @@ def _convert_dtypes(config: Any) -> None:
 
 
 def _check_tx_options(weight_decay: Any, gradient_accumulation_steps: Any, clip_grad: Any) -> None:
+  where = f"{_OWNER}.create"
   if not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay):
-    raise ValueError(f"{_OWNER}.create: weight_decay must be a finite number; got {weight_decay!r}.")
-  k = gradient_accumulation_steps
-  if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-    raise ValueError(f"{_OWNER}.create: gradient_accumulation_steps must be an int >= 1; got {k!r}.")
-  if clip_grad is not None and (
-      not isinstance(clip_grad, (int, float)) or not math.isfinite(clip_grad) or clip_grad < 0
-  ):
-    raise ValueError(f"{_OWNER}.create: clip_grad must be None or a finite number >= 0; got {clip_grad!r}.")
+    raise ValueError(f"{where}: weight_decay must be a finite number; got {weight_decay!r}.")
+  v.check_accumulation_and_clip(where, gradient_accumulation_steps, clip_grad)
 
 
 # ---- Built-in schedulers (eFormer's definitions). ----

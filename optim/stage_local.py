@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -72,8 +71,8 @@ class StageLocalOptimizerMetadata:
 
   The transform is ``[MultiSteps of] chain([clip_by_global_norm,] optimizer,
   [scheduled weight decay])`` as `pallasopt.optim.OptimizerFactory` builds it;
-  these fields describe that layout and the hyperparameters. Field names and meanings are eFormer's, plus
-  ``stacked_axes``.
+  these fields describe that layout and the hyperparameters. Field names and
+  meanings are eFormer's, plus ``stacked_axes``.
 
   Attributes:
     scheduler: the learning-rate schedule the optimizer was built with.
@@ -117,15 +116,8 @@ class StageLocalOptimizerMetadata:
 
   def __post_init__(self):
     where = f"{_OWNER}.StageLocalOptimizerMetadata"
-    k = self.gradient_accumulation_steps
-    if not _is_int(k) or k < 1:
-      raise ValueError(f"{where}: gradient_accumulation_steps must be an int >= 1; got {k!r}.")
-    clip = self.clip_grad
-    if clip is not None and (
-        not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0
-    ):
-      raise ValueError(f"{where}: clip_grad must be None or a finite number >= 0; got {clip!r}.")
-    if not _is_int(self.stacked_axes) or self.stacked_axes < 0:
+    v.check_accumulation_and_clip(where, self.gradient_accumulation_steps, self.clip_grad)
+    if not v.is_int(self.stacked_axes) or self.stacked_axes < 0:
       raise ValueError(f"{where}: stacked_axes must be an int >= 0; got {self.stacked_axes!r}.")
 
 
@@ -317,10 +309,6 @@ def make_unsupported_stage_local_gradient_transformation(
 
 
 # ---- The fused stage-local step. ----
-
-
-def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_none(x: Any) -> bool:
