@@ -81,10 +81,7 @@ def case(workload: workloads.Workload, step: str, stacked_axes: int = 0) -> harn
     state[0]["mu"] = harness.random_tree(km, workload.tree, scale=0.1)
     return (params, state), grads
 
-  impls = (
-      harness.Impl("xla", lambda _: harness.fused_step(make("xla")), pallas=False),
-      harness.Impl("pallasopt", lambda k: harness.fused_step(make(k))),
-  )
+  impls = harness.xla_and_kernel_impls(make)
   return harness.Case(
       family=FAMILY, workload=workload.name, label=f"{workload.label}/{step}",
       params=workload.params, leaves=workload.leaves, inputs=inputs, impls=impls,

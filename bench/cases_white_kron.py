@@ -62,10 +62,7 @@ def case(workload: workloads.Workload, style: str, block_size: int) -> harness.C
     params = harness.random_tree(kp, workload.tree)
     return (params, make("xla").init(params)), harness.random_tree(kg, workload.tree)
 
-  impls = (
-      harness.Impl("xla", lambda _: harness.fused_step(make("xla")), pallas=False),
-      harness.Impl("pallasopt", lambda k: harness.fused_step(make(k))),
-  )
+  impls = harness.xla_and_kernel_impls(make)
   return harness.Case(
       family=FAMILY, workload=workload.name, label=f"{workload.label}/{style}/bs{block_size}",
       params=workload.params, leaves=workload.leaves, inputs=inputs, impls=impls,

@@ -269,6 +269,16 @@ def fused_step(tx) -> StepFn:
   return step
 
 
+def xla_and_kernel_impls(make: Callable[[str], Any]) -> tuple[Impl, Impl]:
+  """The rows of a family without an Optax counterpart: its XLA path
+  (``make("xla")``, the baseline) and its kernels (``make(kernel_impl)``),
+  each through ``apply_gradients``."""
+  return (
+      Impl("xla", lambda _: fused_step(make("xla")), pallas=False),
+      Impl("pallasopt", lambda k: fused_step(make(k))),
+  )
+
+
 def _mix32(x: jax.Array) -> jax.Array:
   """A 32-bit integer hash (an avalanche mixer of the "lowbias32" kind)."""
   x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
