@@ -68,6 +68,7 @@ __all__ = [
     "momentum_bits",
     "check_seed",
     "check_low_bit_options",
+    "decay_link_leaves",
     "fused_leaf_steps",
 ]
 
@@ -176,6 +177,18 @@ def check_low_bit_options(
   seed = 0 if seed is None else seed
   check_seed(owner, seed)
   return seed
+
+
+def decay_link_leaves(owner: str, decay_link: Any, grads: Any) -> tuple[Any, list[bool]]:
+  """A folded decay link's ``(rate, per-leaf flags)``; ``(0, all False)`` for None.
+
+  ``decay_link`` is the ``(rate, mask)`` a fused entry point received (see
+  `FusedGradientTransformation`).
+  """
+  if decay_link is None:
+    return 0.0, [False] * len(jax.tree.leaves(grads))
+  rate, mask = decay_link
+  return rate, v.broadcast_mask(owner, mask, grads)
 
 
 def check_seed(owner: str, seed: Any) -> None:
@@ -353,8 +366,7 @@ def elementwise_transform(
     decays = [False] * num_leaves if never_decays else v.broadcast_mask(owner, mask, grads)
     if decay_link is not None:
       # Per leaf (own decay, link decay): the kernels add both rates times p.
-      link_rate, link_mask = decay_link
-      links = v.broadcast_mask(owner, link_mask, grads)
+      link_rate, links = decay_link_leaves(owner, decay_link, grads)
       decays = [(own, link) if own or link else False for own, link in zip(decays, links)]
     ps = v.checked_param_leaves(owner, params, grads, mode=mode, decays=decays)
 

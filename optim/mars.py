@@ -24,6 +24,7 @@ from pallasopt.optim._base import (
 )
 from pallasopt.optim._elementwise_tx import (
     check_low_bit_options,
+    decay_link_leaves,
     fused_leaf_steps,
     is_quantized,
     moment_arrays,
@@ -194,11 +195,7 @@ def mars(
     mars_state, lr_state = state
     v.check_same_tree(_OWNER, "grads", grads, "opt_state[0].mu", moment_arrays(mars_state.mu))
     # MARS has no decay of its own; a folded decay link adds -lr * rate * p.
-    link_rate, link_mask = decay_link or (0.0, None)
-    decays = (
-        v.broadcast_mask(_OWNER, link_mask, grads) if decay_link
-        else [False] * len(jax.tree.leaves(grads))
-    )
+    link_rate, decays = decay_link_leaves(_OWNER, decay_link, grads)
     ps = v.checked_param_leaves(_OWNER, params, grads, mode=mode, decays=decays)
     count = optax.safe_increment(mars_state.count)
     if learning_rate_now is None:

@@ -17,6 +17,7 @@ from pallasopt.optim._base import (
 )
 from pallasopt.optim._elementwise_tx import (
     check_low_bit_options,
+    decay_link_leaves,
     fused_leaf_steps,
     moment_arrays,
     stored_moments,
@@ -157,10 +158,8 @@ def rmsprop(
     rms, lr_state, trace_state = state
     moments = moment_trees(state)
     v.check_same_tree(_OWNER, "grads", grads, "opt_state[0].nu", moment_arrays(rms.nu))
-    leaves = len(jax.tree.leaves(grads))
     # RMSProp has no decay of its own; a folded decay link adds -lr * rate * p.
-    link_rate, link_mask = decay_link or (0.0, None)
-    decays = v.broadcast_mask(_OWNER, link_mask, grads) if decay_link else [False] * leaves
+    link_rate, decays = decay_link_leaves(_OWNER, decay_link, grads)
     ps = v.checked_param_leaves(_OWNER, params, grads, mode=mode, decays=decays)
     count = optax.safe_increment(rms.count) if counted else jnp.zeros([], jnp.int32)
     if learning_rate_now is None:
