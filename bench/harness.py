@@ -226,7 +226,10 @@ class Case:
     compute_dtype: dtype of the step's matmuls (compute cases; picks the
       matmul ceiling). None: the largest floating leaf of the consts.
     auto_on_cuda: what the family's ``impl="auto"`` runs on a CUDA GPU,
-      ``"pallas"`` (Triton) or ``"xla"`` (`kernels._dispatch.dispatch`).
+      ``"pallas"`` (its kernel) or ``"xla"`` (`kernels._dispatch.dispatch`).
+    cuda_kernel: the row label of the kernel ``impl="pallas"`` runs on a
+      CUDA GPU (``"triton"``, ``"mosaic-gpu"``); None where the case has no
+      CUDA kernel (its kernel rows are left out there).
   """
 
   family: str
@@ -242,6 +245,7 @@ class Case:
   baseline: str = "optax"
   compute_dtype: str | None = None
   auto_on_cuda: str = "pallas"
+  cuda_kernel: str | None = "triton"
 
   @property
   def key(self) -> str:
@@ -349,6 +353,7 @@ def optimizer_case(
     compute_dtype: str | None = None,
     prepare_state: Callable[[jax.Array, Any], Any] = randomize_floats,
     auto_on_cuda: str = "pallas",
+    cuda_kernel: str | None = "triton",
     baseline: str = "optax",
 ) -> Case:
   """The standard three-way comparison for an optimizer on a workload.
@@ -374,7 +379,7 @@ def optimizer_case(
     label: case label (default: the workload's).
     compute_dtype: see `Case.compute_dtype`.
     prepare_state: ``(key, state) -> state`` making the initial state.
-    auto_on_cuda: see `Case.auto_on_cuda`.
+    auto_on_cuda, cuda_kernel: see `Case.auto_on_cuda`, `Case.cuda_kernel`.
     baseline: the name of the ``optax_tx`` rows, ``"optax"`` unless the
       reference is not Optax's (e.g. eFormer's math in XLA).
   """
@@ -395,7 +400,7 @@ def optimizer_case(
       family=family, workload=workload.name, label=label or workload.label,
       params=workload.params, leaves=workload.leaves, inputs=inputs, impls=impls,
       bytes=bytes, flops=flops, metric=metric, compute_dtype=compute_dtype,
-      auto_on_cuda=auto_on_cuda, baseline=baseline,
+      auto_on_cuda=auto_on_cuda, cuda_kernel=cuda_kernel, baseline=baseline,
   )
 
 
@@ -507,22 +512,26 @@ def environment() -> Environment:
   )
 
 
-def kernel_label(kernel_impl: str, platform: str, auto_on_cuda: str = "pallas") -> str:
-  """What runs under ``impl=kernel_impl`` here: mosaic, triton, xla or interpret.
+def kernel_label(
+    kernel_impl: str, platform: str, auto_on_cuda: str = "pallas",
+    cuda_kernel: str | None = "triton",
+) -> str | None:
+  """What runs under ``impl=kernel_impl`` here: mosaic, triton, mosaic-gpu, xla or interpret.
 
-  ``auto_on_cuda``: what the family's ``"auto"`` runs on CUDA (`Case.auto_on_cuda`).
+  ``auto_on_cuda``, ``cuda_kernel``: what the case runs on CUDA
+  (`Case.auto_on_cuda`, `Case.cuda_kernel`); None: no kernel to run there.
   """
   if kernel_impl in ("xla", "interpret"):
     return kernel_impl
   if platform == "tpu":
     return "mosaic"
   if platform == "gpu" and kernel_impl == "pallas":
-    return "triton"
+    return cuda_kernel
   if platform == "gpu":
     # "auto" picks the XLA reference on other GPUs (ROCm).
     version = getattr(jax.devices()[0].client, "platform_version", "")
     rocm = "rocm" in str(version).lower()
-    return "xla" if rocm or auto_on_cuda == "xla" else "triton"
+    return "xla" if rocm or auto_on_cuda == "xla" else cuda_kernel
   if kernel_impl == "pallas":
     raise ValueError(
         f"impl='pallas' cannot compile on {platform!r}; use --interpret (tests) or 'xla'."
@@ -1094,7 +1103,9 @@ def run(
   for case in cases:
     for impl in case.impls:
       for k in kernel_impls if impl.pallas else ("xla",):
-        kernel = kernel_label(resolve_impl(k), env.platform, case.auto_on_cuda)
+        kernel = kernel_label(resolve_impl(k), env.platform, case.auto_on_cuda, case.cuda_kernel)
+        if kernel is None:
+          continue
         key = config_key(case, impl, kernel)
         # Two --kernel-impls can run the same kernel ("auto" is "pallas" on
         # most GPU families); time it once.

@@ -13,8 +13,9 @@ dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
 * `pallasopt.kernels.adafactor`: factored second moments, update clipping,
   parameter scale and momentum in two passes over the gradient;
 * `pallasopt.kernels.newton_schulz`: batched Newton–Schulz orthogonalization
-  (Muon; entry point ``newton_schulz.newton_schulz``), resident on chip for small matrices, symmetric tiled matmuls for
-  large ones;
+  (Muon; entry point ``newton_schulz.newton_schulz``): on TPU resident on
+  chip for small matrices, symmetric tiled matmuls for large ones; on CUDA a
+  Mosaic GPU ``wgmma`` Gram kernel for bf16 iterates;
 * `pallasopt.kernels.gram`: symmetric Gram matrices ``X Xᵀ``, upper blocks
   only (Newton–Schulz's symmetric products): a block recursion in XLA and a
   Mosaic GPU ``wgmma`` kernel;

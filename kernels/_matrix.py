@@ -15,6 +15,8 @@ what such kernels share, so each family writes only its math:
   Whether zero padding is exact depends on the math; each kernel says why.
 * `matrix_spec`: the `pl.BlockSpec` of one ``(rows, cols)`` block of a stack,
   with the batch axis squeezed.
+* `batched_dot`: ``a b`` or ``a bᵀ`` of matrices or stacks with f32
+  accumulation, the product both a reference and a kernel body take.
 * Per-call scalars (coefficient tables, step sizes) are kernel *inputs*, built
   by `_elementwise.scalar_input` as for every other kernel.
 """
@@ -39,6 +41,7 @@ __all__ = [
     "pad_stack",
     "unpad_stack",
     "matrix_spec",
+    "batched_dot",
 ]
 
 # Triton dots need every dimension >= 16.
@@ -102,3 +105,14 @@ def matrix_spec(
   if index_map is None:
     index_map = lambda b: (b, 0, 0)
   return pl.BlockSpec((None, *block), index_map)
+
+
+def batched_dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
+  """``a b`` (``a bᵀ`` with ``trans_b``) over the last two axes, in f32.
+
+  Leading axes are a batch (matrices or stacks alike); products accumulate in
+  f32 (``preferred_element_type``) whatever the operands' dtype.
+  """
+  batch = tuple(range(a.ndim - 2))
+  contract = (a.ndim - 1,), (b.ndim - 1 if trans_b else b.ndim - 2,)
+  return jax.lax.dot_general(a, b, (contract, (batch, batch)), preferred_element_type=jnp.float32)

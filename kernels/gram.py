@@ -10,7 +10,9 @@ implementations of one contract, ``(batch, m, n) -> (batch, m, m)`` f32:
 * `gram_reference` (the XLA path, any backend): `block_gram`, a recursion of
   :math:`2 \times 2` block splits in which each level is *one* batched dot,
   so ``levels + 1`` dots in all, costing :math:`(2^L+1)/2^{L+1}` of the full
-  product's flops. ``levels=None`` picks `gram_levels_for` the row count.
+  product's flops. Fewer flops are not always less time (smaller dots run
+  less efficiently): `gram_levels_for` gives the levels measured fastest on
+  each platform.
 * `gram_kernel` (Pallas Mosaic GPU, Hopper ``wgmma``): one program per upper
   tile ``(i, j), j >= i``, of a grid over ``(batch, tiles, tiles)``; the
   ``k`` loop is a TMA pipeline into shared memory feeding ``wgmma`` with an
@@ -36,50 +38,51 @@ from pallasopt.kernels import _compat, _matrix
 from pallasopt.kernels._compat import pl, plgpu
 
 __all__ = [
-    "GRAM_MAX_LEVELS",
-    "GRAM_MIN_BLOCK",
     "gram_levels_for",
-    "resolve_levels",
+    "check_levels",
     "block_gram",
     "gram_reference",
     "gram_kernel",
     "mirror_upper",
 ]
 
-GRAM_MAX_LEVELS = 4
-GRAM_MIN_BLOCK = 32
 _KERNEL_TILE_K = 64
 _KERNEL_MAX_CONCURRENT_STEPS = 2
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
+# `block_gram` levels measured fastest for Newton–Schulz's symmetric products
+# on each platform: ``(min_rows, levels)`` pairs, largest ``min_rows`` first;
+# fewer rows, or a platform not listed, get 0 (one full dot, Optax's op order).
+# CPU (2-core x86 host, jax 0.10.2, XLA path of 5 f32 Newton–Schulz steps,
+# best of 2-5 runs, speed over 0 levels): 768x3072 L1-L4 0.96x-0.77x,
+# 1024^2 0.98x-0.88x, 2048^2 L1 1.07x L2 1.13x L3 1.14x L4 1.12x, 4096^2 L1
+# 1.08x L2 1.23x L3 1.21x L4 1.21x. CUDA: only full dots were timed (H100,
+# bench/results/nvidia-h100-80gb-hbm3: Optax's Muon step at 82% of the f32
+# matmul ceiling at 4096^2 but 19-30% for batched 256-row and 1024-row
+# matrices, so smaller blocks are no sure gain); TPU: nothing timed.
+_MEASURED_LEVELS: dict[str, tuple[tuple[int, int], ...]] = {"cpu": ((2048, 2),)}
 
-def gram_levels_for(rows: int) -> int:
-  """The `block_gram` levels ``levels=None`` picks for ``rows`` rows.
 
-  The most halvings, up to `GRAM_MAX_LEVELS` (4: 17/32 of a full product's
-  flops), that keep blocks of at least `GRAM_MIN_BLOCK` (32) rows; 0 (one
-  full dot) below 64 rows.
+def gram_levels_for(rows: int, platform: str) -> int:
+  """The `block_gram` levels measured fastest for ``rows`` rows on ``platform``.
+
+  ``platform`` is a `jax.lax.platform_dependent` name (``"cpu"``, ``"cuda"``,
+  ``"rocm"``, ``"tpu"``). On a CPU, 2 levels (0.75x of a square Newton–Schulz
+  step's flops, measured 1.13x-1.23x faster) from 2048 rows; 0 below (measured
+  slower: fewer flops in smaller dots) and on every other platform, where no
+  block split was timed yet (see ``_MEASURED_LEVELS`` for the figures).
   """
-  levels = 0
-  while levels < GRAM_MAX_LEVELS and rows >> (levels + 1) >= GRAM_MIN_BLOCK:
-    levels += 1
-  return levels
+  for min_rows, levels in _MEASURED_LEVELS.get(platform, ()):
+    if rows >= min_rows:
+      return levels
+  return 0
 
 
-def resolve_levels(levels: int | None, rows: int) -> int:
-  """``levels`` checked, or `gram_levels_for` ``rows`` when None."""
-  if levels is None:
-    return gram_levels_for(rows)
+def check_levels(levels: object) -> int:
+  """``levels`` as an int >= 0, or a ValueError naming it."""
   if isinstance(levels, bool) or not isinstance(levels, (int, np.integer)) or levels < 0:
     raise ValueError(f"gram levels must be None or an int >= 0; got {levels!r}.")
   return int(levels)
-
-
-def _batched_nt(a, b):
-  """``a bᵀ`` per stack entry, f32 accumulation."""
-  return jax.lax.dot_general(
-      a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32
-  )
 
 
 def block_gram(x: jax.Array, levels: int) -> jax.Array:
@@ -92,12 +95,12 @@ def block_gram(x: jax.Array, levels: int) -> jax.Array:
   multiple of :math:`2^L`; ``levels=0`` is one full dot.
   """
   if levels == 0:
-    return _batched_nt(x, x)
+    return _matrix.batched_dot(x, x, trans_b=True)
   batch, m, n = x.shape
   if m % 2**levels:
     raise ValueError(f"block_gram: rows {m} are not a multiple of 2**{levels}.")
   half = m // 2
-  off = _batched_nt(x[:, :half], x[:, half:])
+  off = _matrix.batched_dot(x[:, :half], x[:, half:], trans_b=True)
   diag = block_gram(x.reshape(2 * batch, half, n), levels - 1).reshape(batch, 2, half, half)
   top = jnp.concatenate([diag[:, 0], off], axis=2)
   bottom = jnp.concatenate([jnp.swapaxes(off, 1, 2), diag[:, 1]], axis=2)
@@ -109,16 +112,17 @@ def _check_stack(x):
     raise ValueError(f"x must be a (batch, rows, cols) stack; got shape {x.shape}.")
 
 
-def gram_reference(x: jax.Array, *, levels: int | None = None) -> jax.Array:
+def gram_reference(x: jax.Array, *, levels: int) -> jax.Array:
   """``x xᵀ`` (f32) of every matrix of a stack ``(batch, m, n)`` by `block_gram`.
 
   Args:
     x: the stack (any float dtype; products accumulate in f32).
-    levels: `block_gram` levels; None: `gram_levels_for` ``m``; 0: one dot.
+    levels: `block_gram` levels (0: one dot; `gram_levels_for` gives the
+      measured choice of a platform).
   """
   _check_stack(x)
   rows = x.shape[1]
-  levels = resolve_levels(levels, rows)
+  levels = check_levels(levels)
   padded = _matrix.round_up(rows, 2**levels)
   x = jnp.pad(x, ((0, 0), (0, padded - rows), (0, 0)))
   return block_gram(x, levels)[:, :rows, :rows]

@@ -30,32 +30,36 @@ held in between matmuls; every matmul accumulates in f32
 
 Regimes (`newton_schulz_kernel`, ``regime="auto"``, `choose_regime`):
 
-* **resident** (one launch, grid over the stack): X, A and B of one matrix stay
-  on chip for all steps, so a step costs no HBM traffic at all. Chosen when the
-  padded ``m x n`` matrix (``m <= n`` after transposing) fits: on TPU when the
-  f32 working set ``4 (6 m n + 3 m^2)`` bytes (X double-buffered in and out,
-  two temporaries, A, B, A²) is within `_TPU_RESIDENT_BYTES` (24 MiB, within
-  v5e/v6e's 128 MiB and v7's 64 MiB of VMEM, with the VMEM limit raised to
-  match); on Triton when ``m <= 64`` and ``m n <= 8192``: the whole matrix
-  lives in the registers and shared memory of one program (228 KiB of shared
-  memory and 64K registers per H100 SM), and larger blocks spill.
-* **tiled** (three launches per step): larger matrices. See `_tiled_step`.
-* **wgmma** (CUDA, bf16 iterates; chosen for them on CUDA): both symmetric
+* **resident** (TPU; one launch, grid over the stack): X, A and B of one
+  matrix stay in VMEM for all steps, so a step costs no HBM traffic at all.
+  Chosen when the padded ``m x n`` matrix (``m <= n`` after transposing)
+  fits: the f32 working set ``4 (6 m n + 3 m^2)`` bytes (X double-buffered in
+  and out, two temporaries, A, B, A²) within `_TPU_RESIDENT_BYTES` (24 MiB,
+  within v5e/v6e's 128 MiB and v7's 64 MiB of VMEM, with the VMEM limit
+  raised to match).
+* **tiled** (TPU; three launches per step): larger matrices. See `_tiled_step`.
+* **wgmma** (CUDA, bf16 iterates: the one CUDA regime): both symmetric
   products of a step on the Mosaic GPU upper-tile Gram kernel
   (`gram.gram_kernel`, Hopper ``wgmma`` with TMA pipelining), ``B X`` and
   the epilogues in XLA (cuBLAS). Not yet timed on a GPU.
 
-Dispatch: ``impl="auto"`` runs the Mosaic kernel on TPU but the XLA reference
-on CUDA GPUs and CPUs. Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3,
-commit 5e874f6, f32 iterates, 5 steps, one Muon step each), the Triton kernels
-lost to XLA: 1024² 0.86 ms Triton vs 0.26 ms Optax (XLA), 4096² 29.8 vs
-6.1 ms, 4096×11008 63.0 vs 12.6 ms, a stack of 64 × (256, 1024) 1.88 vs
-1.24 ms. ``impl="pallas"`` still runs them (f32 iterates) or the wgmma regime
-(bf16 iterates). The reference computes its symmetric products by
-`gram.block_gram` (``gram_levels``): on CPU that is measured (XLA's compiled
-flop count) at 0.69x of Optax's Muon step on a 4096² matrix, 0.74x on GPT-2
-small's Muon tree and 0.74x on the 1B decoder's (tests/test_gram.py); its GPU
-time is not yet measured (``bench`` rows).
+Dispatch and what was measured. ``impl="auto"`` runs the Mosaic kernel on TPU
+(not timed: chosen because the resident regime moves no HBM bytes between
+steps) and the XLA reference on CUDA GPUs and CPUs. On CUDA there is no f32
+kernel: the Triton kernels this module had (resident and tiled regimes for
+Triton) lost to XLA at every size measured on an H100
+(bench/results/nvidia-h100-80gb-hbm3, commit 5e874f6, f32 iterates, 5 steps,
+one Muon step each: 1024² 0.86 ms vs 0.26 ms for Optax (XLA), 4096² 29.8 vs
+6.1 ms, 4096×11008 63.0 vs 12.6 ms, 64 × (256, 1024) 1.88 vs 1.24 ms) and
+were removed; ``impl="pallas"`` there runs the wgmma regime, which takes
+bf16 iterates only (a clear error otherwise). The reference computes its
+symmetric products by `gram.block_gram` at the levels measured fastest on
+each platform (``gram_levels=None``, `gram.gram_levels_for`): on a CPU from
+2048 rows (1.13x-1.23x faster than full dots at 2048² and 4096²; fewer rows
+ran slower), elsewhere full dots, Optax's op order, until a block split is
+timed there. Any ``gram_levels`` can be asked for: 4 levels cost 0.69x of
+Optax's Muon step flops on a 4096² matrix and 0.74x on GPT-2 small's Muon
+tree (XLA's compiled count, tests/test_gram.py).
 
 Zero padding (to the legal block dims of `_matrix.padded_dims`) is exact:
 with :math:`X' = [[X, 0], [0, 0]]`, :math:`A' = X'X'^\top = [[A, 0], [0, 0]]`,
@@ -82,7 +86,10 @@ from pallasopt.kernels import _compat, _matrix
 from pallasopt.kernels._compat import pl, pltpu
 from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._elementwise import scalar_input
-from pallasopt.kernels.gram import gram_kernel, gram_reference, mirror_upper, resolve_levels
+from pallasopt.kernels._dispatch import target_platforms
+from pallasopt.kernels.gram import (
+    check_levels, gram_kernel, gram_levels_for, gram_reference, mirror_upper,
+)
 
 __all__ = [
     "PRESETS",
@@ -161,9 +168,6 @@ REGIMES = ("auto", "resident", "tiled", "wgmma")
 
 _TPU_RESIDENT_BYTES = 24 * 2**20
 _TPU_VMEM_HEADROOM = 8 * 2**20
-_TRITON_RESIDENT_ROWS = 64
-_TRITON_RESIDENT_ELEMENTS = 8192
-_TRITON_RESIDENT_WARPS = 8
 
 
 # ---- Coefficients. ----
@@ -241,19 +245,11 @@ def ns_flops(
 
 
 def _dot(a, b):
-  """``a b`` over the last two axes (leading axes batched), in f32."""
-  batch = tuple(range(a.ndim - 2))
-  return jax.lax.dot_general(
-      a, b, (((a.ndim - 1,), (a.ndim - 2,)), (batch, batch)), preferred_element_type=jnp.float32
-  )
+  return _matrix.batched_dot(a, b)
 
 
 def _gram(x):
-  """``x xᵀ`` over the last two axes (leading axes batched), in f32."""
-  batch = tuple(range(x.ndim - 2))
-  return jax.lax.dot_general(
-      x, x, (((x.ndim - 1,), (x.ndim - 1,)), (batch, batch)), preferred_element_type=jnp.float32
-  )
+  return _matrix.batched_dot(x, x, trans_b=True)
 
 
 def _frobenius_scale(x, eps):
@@ -373,17 +369,31 @@ def newton_schulz_reference(
     eps: added to the norm (``frobenius``, ``spectral``); floor of the
       ``aol``/``schatten`` rescaling.
     iter_dtype: f32 or bf16 dtype of the iterates (default: ``x.dtype``).
-    gram_levels: `gram.block_gram` levels of the symmetric products; None
-      picks `gram.gram_levels_for` the (wide) matrices' row count; 0
-      computes them in full, as Optax does.
+    gram_levels: `gram.block_gram` levels of the symmetric products; 0
+      computes them in full, as Optax does; None: the levels measured fastest
+      for the (wide) matrices' row count on each platform the computation is
+      traced for (`gram.gram_levels_for`: 2 on a CPU from 2048 rows, else 0).
 
   Returns:
     The orthogonalized matrices, shape and dtype of ``x``.
   """
   coeffs = jnp.asarray(coeffs, jnp.float32)
   dtype = _check_args(x, coeffs, preconditioning, iter_dtype)
+  if gram_levels is None:
+    rows = min(x.shape[-2:])
+    by_platform = {p: gram_levels_for(rows, p) for p in target_platforms()}
+    if len(set(by_platform.values())) > 1:
+      branches = {
+          p: functools.partial(
+              newton_schulz_reference, preconditioning=preconditioning, eps=eps,
+              iter_dtype=iter_dtype, gram_levels=levels,
+          )
+          for p, levels in by_platform.items()
+      }
+      return jax.lax.platform_dependent(x, coeffs, **branches)
+    gram_levels = next(iter(by_platform.values()))
+  gram_levels = check_levels(gram_levels)
   stack, restore = _wide_stack(x)
-  gram_levels = resolve_levels(gram_levels, stack.shape[1])
   if preconditioning == "spectral":
     stack, preconditioning = _spectral_prescale(stack, eps), "none"
   symmetric = functools.partial(gram_reference, levels=gram_levels) if gram_levels else None
@@ -411,16 +421,31 @@ def _resident_bytes(dims: tuple[int, int]) -> int:
   return 4 * (6 * m * n + 3 * m * m)
 
 
-def choose_regime(rows: int, cols: int, backend: str, iter_dtype=jnp.float32) -> str:
+def choose_regime(rows: int, cols: int, backend: str) -> str:
   """The regime of one matrix (see the module docstring)."""
-  if backend == "triton" and jnp.dtype(iter_dtype) == jnp.dtype(jnp.bfloat16):
+  if backend == "triton":
     return "wgmma"
   m, n = min(rows, cols), max(rows, cols)
   dims = _matrix.padded_dims(m, n, backend)
-  if backend == "tpu":
-    return "resident" if _resident_bytes(dims) <= _TPU_RESIDENT_BYTES else "tiled"
-  fits = dims[0] <= _TRITON_RESIDENT_ROWS and dims[0] * dims[1] <= _TRITON_RESIDENT_ELEMENTS
-  return "resident" if fits else "tiled"
+  return "resident" if _resident_bytes(dims) <= _TPU_RESIDENT_BYTES else "tiled"
+
+
+def _check_cuda_regime(regime: str, iter_dtype) -> None:
+  """The one CUDA regime is wgmma on bf16 iterates; else an error saying why."""
+  if regime != "wgmma":
+    raise ValueError(
+        f"regime={regime!r} runs on TPU (or in the interpreter) only: on a CUDA GPU the "
+        "Newton-Schulz kernel is regime='wgmma' with bfloat16 iterates (the Triton kernels "
+        "lost to XLA at every size measured on an H100 and were removed)."
+    )
+  if jnp.dtype(iter_dtype) != jnp.dtype(jnp.bfloat16):
+    raise TypeError(
+        f"impl='pallas' on a CUDA GPU runs Newton-Schulz with bfloat16 iterates only (the "
+        f"Mosaic GPU wgmma kernel); got iter_dtype {jnp.dtype(iter_dtype)}. The f32 Triton "
+        "kernels lost to XLA at every size measured on an H100 (0.20x-0.66x of Optax, "
+        "bench/results/nvidia-h100-80gb-hbm3) and were removed: pass iter_dtype=jnp.bfloat16, "
+        "or impl='auto' / 'xla' to run f32 iterates in XLA."
+    )
 
 
 def _cost(batch, m, n, steps, itemsize, *, symmetric):
@@ -431,15 +456,15 @@ def _cost(batch, m, n, steps, itemsize, *, symmetric):
   )
 
 
-def _resident(stack, coeffs, *, preconditioning, eps, dtype, out_dtype, backend, interpret):
+def _resident(stack, coeffs, *, preconditioning, eps, dtype, out_dtype, interpret):
   batch, m, n = stack.shape
   steps = coeffs.shape[0]
-  dims = _matrix.padded_dims(m, n, backend)
+  dims = _matrix.padded_dims(m, n, "tpu")
   scalars = jnp.concatenate([jnp.reshape(jnp.asarray(eps, jnp.float32), (1,)), coeffs.ravel()])
-  scalar_vec, scalar_spec = scalar_input(scalars, backend)
+  scalar_vec, scalar_spec = scalar_input(scalars, "tpu")
   params = _compat.compiler_params(
-      backend, ("parallel",), num_warps=_TRITON_RESIDENT_WARPS, num_stages=1,
-      vmem_limit_bytes=_resident_bytes(dims) + _TPU_VMEM_HEADROOM, interpret=interpret,
+      "tpu", ("parallel",), vmem_limit_bytes=_resident_bytes(dims) + _TPU_VMEM_HEADROOM,
+      interpret=interpret,
   )
   kernel = functools.partial(
       _resident_kernel, steps=steps, preconditioning=preconditioning, dtype=dtype
@@ -460,9 +485,7 @@ def _resident(stack, coeffs, *, preconditioning, eps, dtype, out_dtype, backend,
 
 # ---- Tiled regime: three tiled matmuls per step, symmetric where possible. ----
 
-_DEFAULT_TILE = {"tpu": 256, "triton": 64}
-_TRITON_TILED_WARPS = 4
-_TRITON_TILED_STAGES = 2
+_TPU_TILE = 256
 
 # How a kernel operand is read at grid point (i, j) and reduction step k:
 # "ik" / "jk" / "kj" / "ij" name the tile; "sym_" operands are symmetric
@@ -483,56 +506,34 @@ def _maybe_transpose(tile, flip):
   return tile if flip is None else jnp.where(flip, tile.T, tile)
 
 
-def _tiled_body(
-    scalar_ref, *refs, kinds, prologue, epilogue, nt, upper_only, tile, num_k, backend
-):
+def _tiled_body(scalar_ref, *refs, kinds, prologue, epilogue, nt, upper_only, num_k):
   """One output tile: ``epilogue(s, sum_k lhs_k · rhs_k, *epilogue_tiles)``.
 
-  ``refs`` are the operand refs (lhs, rhs, epilogue operands), the output ref
-  and, on TPU, the f32 accumulator. TPU walks k on the grid (the refs are the
-  tiles); Triton loops over k inside the kernel (the refs are whole matrices,
-  tiles are loaded with `pl.ds`).
+  ``refs`` are the operand tiles (lhs, rhs, epilogue operands), the output
+  tile and the f32 accumulator; the reduction walks k on the innermost grid
+  axis.
   """
   num_in = len(kinds)
-  in_refs, out_ref = refs[:num_in], refs[num_in]
+  in_refs, out_ref, acc_ref = refs[:num_in], refs[num_in], refs[num_in + 1]
   s = tuple(scalar_ref[q] for q in range(3))
-  i, j = pl.program_id(1), pl.program_id(2)
+  i, j, k = pl.program_id(1), pl.program_id(2), pl.program_id(3)
   dims = (((1,), (1,)), ((), ())) if nt else (((1,), (0,)), ((), ()))
 
-  if backend == "tpu":
-    k, acc_ref = pl.program_id(3), refs[num_in + 1]
-
-    def load(q, k):
-      return _maybe_transpose(in_refs[q][...], _tile_coords(kinds[q], i, j, k)[2])
-  else:
-    def load(q, k):
-      r, c, flip = _tile_coords(kinds[q], i, j, k)
-      return _maybe_transpose(in_refs[q][pl.ds(r * tile, tile), pl.ds(c * tile, tile)], flip)
-
-  def product(k):
-    lhs, rhs = prologue(s, load(0, k), load(1, k))
-    return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
-
-  def finish(acc):
-    extra = [load(q, None).astype(jnp.float32) for q in range(2, num_in)]
-    out_ref[...] = epilogue(s, acc, *extra).astype(out_ref.dtype)
+  def load(q):
+    return _maybe_transpose(in_refs[q][...], _tile_coords(kinds[q], i, j, k)[2])
 
   def compute():
-    if backend == "tpu":
-      @pl.when(k == 0)
-      def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+    @pl.when(k == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
 
-      acc_ref[...] += product(k)
+    lhs, rhs = prologue(s, load(0), load(1))
+    acc_ref[...] += jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
 
-      @pl.when(k == num_k - 1)
-      def _():
-        finish(acc_ref[...])
-    else:
-      acc = jax.lax.fori_loop(
-          0, num_k, lambda k, acc: acc + product(k), jnp.zeros((tile, tile), jnp.float32)
-      )
-      finish(acc)
+    @pl.when(k == num_k - 1)
+    def _():
+      extra = [load(q).astype(jnp.float32) for q in range(2, num_in)]
+      out_ref[...] = epilogue(s, acc_ref[...], *extra).astype(out_ref.dtype)
 
   if upper_only:
     pl.when(j >= i)(compute)
@@ -542,47 +543,34 @@ def _tiled_body(
 
 def _tiled_call(
     operands, kinds, scalars, out_shape, *, prologue, epilogue, nt, upper_only,
-    tile, num_k, backend, interpret, name, flops,
+    tile, num_k, interpret, name, flops,
 ):
   """One tiled matmul with a fused prologue/epilogue over a stack."""
   batch, rows, cols = out_shape.shape
-  grid_ij = (batch, rows // tile, cols // tile)
-  scalar_vec, scalar_spec = scalar_input(scalars, backend)
-  if backend == "tpu":
-    def spec(kind):
-      def index_map(b, i, j, k):
-        r, c, _ = _tile_coords(kind, i, j, k if kind != "ij" else 0)
-        return b, r, c
-      return _matrix.matrix_spec((tile, tile), index_map)
+  scalar_vec, scalar_spec = scalar_input(scalars, "tpu")
 
-    grid = grid_ij + (num_k,)
-    in_specs = [spec(kind) for kind in kinds]
-    out_spec = _matrix.matrix_spec((tile, tile), lambda b, i, j, k: (b, i, j))
-    scratch = [pltpu.VMEM((tile, tile), jnp.float32)]
-    semantics = ("parallel", "parallel", "parallel", "arbitrary")
-  else:
-    grid = grid_ij
-    in_specs = [_matrix.matrix_spec(x.shape[1:], lambda b, i, j: (b, 0, 0)) for x in operands]
-    out_spec = _matrix.matrix_spec((tile, tile), lambda b, i, j: (b, i, j))
-    scratch = []
-    semantics = ("parallel",) * 3
+  def spec(kind):
+    def index_map(b, i, j, k):
+      r, c, _ = _tile_coords(kind, i, j, k if kind != "ij" else 0)
+      return b, r, c
+    return _matrix.matrix_spec((tile, tile), index_map)
+
   params = _compat.compiler_params(
-      backend, semantics, num_warps=_TRITON_TILED_WARPS, num_stages=_TRITON_TILED_STAGES,
-      interpret=interpret,
+      "tpu", ("parallel", "parallel", "parallel", "arbitrary"), interpret=interpret
   )
   kernel = functools.partial(
       _tiled_body, kinds=kinds, prologue=prologue, epilogue=epilogue, nt=nt,
-      upper_only=upper_only, tile=tile, num_k=num_k, backend=backend,
+      upper_only=upper_only, num_k=num_k,
   )
   nbytes = sum(x.size * x.dtype.itemsize for x in operands)
   nbytes += out_shape.size * jnp.dtype(out_shape.dtype).itemsize
   return pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=grid,
-      in_specs=[scalar_spec] + in_specs,
-      out_specs=out_spec,
-      scratch_shapes=scratch,
+      grid=(batch, rows // tile, cols // tile, num_k),
+      in_specs=[scalar_spec] + [spec(kind) for kind in kinds],
+      out_specs=_matrix.matrix_spec((tile, tile), lambda b, i, j, k: (b, i, j)),
+      scratch_shapes=[pltpu.VMEM((tile, tile), jnp.float32)],
       compiler_params=params,
       interpret=interpret,
       name=name,
@@ -590,7 +578,7 @@ def _tiled_call(
   )(scalar_vec, *operands)
 
 
-def _tiled_step(x, a_b_c, *, first_rescale, eps, dtype, tile, backend, interpret):
+def _tiled_step(x, a_b_c, *, first_rescale, eps, dtype, tile, interpret):
   r"""One NS step on a padded stack ``x`` (``(batch, M, N)``, ``dtype``).
 
   Three launches, each a tiled matmul with its epilogue fused:
@@ -604,13 +592,12 @@ def _tiled_step(x, a_b_c, *, first_rescale, eps, dtype, tile, backend, interpret
   3. ``X ← a X + B X``: a full tiled matmul reading ``B`` mirrored, with
      ``a X`` added in the epilogue.
 
-  Lower tiles of ``A`` and ``B`` are never written nor read. On TPU the
-  reduction walks the innermost grid axis into a VMEM f32 accumulator; on
-  Triton each program loops over k itself.
+  Lower tiles of ``A`` and ``B`` are never written nor read; the reduction
+  walks the innermost grid axis into a VMEM f32 accumulator.
   """
   batch, rows, cols = x.shape
   f32 = jnp.float32
-  call = functools.partial(_tiled_call, tile=tile, backend=backend, interpret=interpret)
+  call = functools.partial(_tiled_call, tile=tile, interpret=interpret)
   gram = call(
       [x, x], ("ik", "jk"), a_b_c, jax.ShapeDtypeStruct((batch, rows, rows), f32),
       prologue=lambda s, l, r: (l, r), epilogue=lambda s, acc: acc, nt=True,
@@ -636,11 +623,11 @@ def _tiled_step(x, a_b_c, *, first_rescale, eps, dtype, tile, backend, interpret
   )
 
 
-def _tiled(stack, coeffs, *, tile, preconditioning, eps, dtype, backend, interpret):
-  tile = _DEFAULT_TILE[backend] if tile is None else tile
-  if tile < 16 or tile & (tile - 1) or (backend == "tpu" and not interpret and tile % 128):
+def _tiled(stack, coeffs, *, tile, preconditioning, eps, dtype, interpret):
+  tile = _TPU_TILE if tile is None else tile
+  if tile < 16 or tile & (tile - 1) or (not interpret and tile % 128):
     raise ValueError(
-        f"tile must be a power of two >= 16 (a multiple of 128 on TPU); got {tile}."
+        f"tile must be a power of two >= 16 (a multiple of 128 compiled for TPU); got {tile}."
     )
   _, m, n = stack.shape
   if preconditioning == "frobenius":
@@ -651,7 +638,7 @@ def _tiled(stack, coeffs, *, tile, preconditioning, eps, dtype, backend, interpr
   for k in range(coeffs.shape[0]):
     x = _tiled_step(
         x, coeffs[k], first_rescale=first_rescale if k == 0 else None, eps=eps,
-        dtype=dtype, tile=tile, backend=backend, interpret=interpret,
+        dtype=dtype, tile=tile, interpret=interpret,
     )
   return _matrix.unpad_stack(x, (m, n))
 
@@ -671,12 +658,13 @@ def newton_schulz_kernel(
   """Pallas Newton–Schulz; same arguments and results as the reference.
 
   Args:
-    backend: ``"tpu"`` or ``"triton"``.
+    backend: ``"tpu"`` (Mosaic TPU; also the interpreter's) or ``"triton"``
+      (a CUDA GPU, where the one regime is ``"wgmma"``, bf16 iterates).
     interpret: run in the Pallas interpreter.
-    regime: ``"auto"`` (`choose_regime`), ``"resident"``, ``"tiled"`` or,
-      on CUDA GPUs with bf16 iterates, ``"wgmma"``.
-    tile: tile edge of the tiled regime (default per backend); a power of two,
-      at least 16 (Triton) or a multiple of 128 (TPU).
+    regime: ``"auto"`` (`choose_regime`), ``"resident"`` or ``"tiled"``
+      (TPU), or ``"wgmma"`` (CUDA GPUs, bf16 iterates).
+    tile: tile edge of the tiled regime (default 256); a multiple of 128
+      (a power of two >= 16 in the interpreter).
   """
   coeffs = jnp.asarray(coeffs, jnp.float32)
   dtype = _check_args(x, coeffs, preconditioning, iter_dtype)
@@ -686,7 +674,9 @@ def newton_schulz_kernel(
   if preconditioning == "spectral":
     stack, preconditioning = _spectral_prescale(stack, eps), "none"
   if regime == "auto":
-    regime = choose_regime(stack.shape[1], stack.shape[2], backend, dtype)
+    regime = choose_regime(stack.shape[1], stack.shape[2], backend)
+  if backend == "triton":
+    _check_cuda_regime(regime, dtype)
   if regime == "wgmma":
     if backend != "triton":
       raise ValueError(f"regime='wgmma' is a CUDA GPU (Hopper) regime; got backend {backend!r}.")
@@ -694,10 +684,7 @@ def newton_schulz_kernel(
         _wgmma(stack, coeffs, preconditioning=preconditioning, eps=eps, dtype=dtype,
                interpret=interpret)
     )
-  kwargs = dict(
-      preconditioning=preconditioning, eps=eps, dtype=dtype, backend=backend,
-      interpret=interpret,
-  )
+  kwargs = dict(preconditioning=preconditioning, eps=eps, dtype=dtype, interpret=interpret)
   if regime == "resident":
     out = _resident(stack, coeffs, out_dtype=dtype, **kwargs)
   else:
@@ -711,10 +698,6 @@ def _wgmma(stack, coeffs, *, preconditioning, eps, dtype, interpret):
   ``B X`` and the f32 epilogues stay XLA (cuBLAS): only the symmetric
   products have flops to save.
   """
-  if dtype != jnp.dtype(jnp.bfloat16):
-    raise TypeError(
-        f"regime='wgmma' runs bfloat16 iterates (iter_dtype=jnp.bfloat16); got {dtype}."
-    )
   symmetric = functools.partial(gram_kernel, interpret=interpret)
   return _ns_iterations(
       stack, lambda k, j: coeffs[k, j], coeffs.shape[0], preconditioning, eps, dtype, symmetric

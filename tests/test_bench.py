@@ -197,6 +197,14 @@ def test_kernel_labels_follow_each_familys_cuda_dispatch():
     blockwise = c.label.endswith(("state-int8", "state-fp8"))
     assert c.auto_on_cuda == ("pallas" if blockwise else "xla"), c.key
   assert {c.auto_on_cuda for c in kernels.cases("ci", ("adafactor", "kron"))} == {"pallas"}
+  # Newton-Schulz's one CUDA kernel is Mosaic GPU, for bf16 iterates: f32 rows
+  # have no kernel row there.
+  assert harness.kernel_label("pallas", "gpu", "xla", cuda_kernel=None) is None
+  assert harness.kernel_label("pallas", "tpu", "xla", cuda_kernel=None) == "mosaic"
+  muon_cases = kernels.cases("ci", ("muon",))
+  assert {c.compute_dtype: c.cuda_kernel for c in muon_cases} == {
+      "float32": None, "bfloat16": "mosaic-gpu"}
+  assert any(c.label.endswith("/gram-L1") for c in muon_cases)
 
 
 def test_kernel_impls_that_run_the_same_kernel_are_timed_once(tmp_path, capsys):

@@ -127,8 +127,7 @@ def test_flop_model():
 def test_regime_choice():
   assert ns.choose_regime(256, 1024, "tpu") == "resident"
   assert ns.choose_regime(4096, 4096, "tpu") == "tiled"
-  assert ns.choose_regime(64, 128, "triton") == "resident"
-  assert ns.choose_regime(1024, 1024, "triton") == "tiled"
+  assert ns.choose_regime(64, 128, "triton") == ns.choose_regime(4096, 4096, "triton") == "wgmma"
 
 
 @pytest.mark.parametrize(
@@ -140,6 +139,9 @@ def test_regime_choice():
         (lambda x, t: ns.newton_schulz(x, t, iter_dtype=jnp.int32), TypeError),
         (lambda x, t: ns.newton_schulz(x, t, impl="interpret", regime="fast"), ValueError),
         (lambda x, t: ns.newton_schulz(x, t, impl="interpret", regime="tiled", tile=24), ValueError),
+        # CUDA: no Triton regimes, and wgmma takes bf16 iterates only.
+        (lambda x, t: ns.newton_schulz_kernel(x, t, backend="triton", regime="resident"), ValueError),
+        (lambda x, t: ns.newton_schulz_kernel(x, t, backend="triton"), TypeError),
         (lambda x, t: ns.coefficient_table(_SIMPLE), ValueError),
         (lambda x, t: ns.coefficient_table(t, 3, "bounce"), ValueError),
         (lambda x, t: ns.preset_table("cubic7"), ValueError),
