@@ -53,13 +53,18 @@ _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # `block_gram` levels measured fastest for Newton–Schulz's symmetric products
 # on each platform: ``(min_rows, levels)`` pairs, largest ``min_rows`` first;
 # fewer rows, or a platform not listed, get 0 (one full dot, Optax's op order).
-# CPU (2-core x86 host, jax 0.10.2, XLA path of 5 f32 Newton–Schulz steps,
-# best of 2-5 runs, speed over 0 levels): 768x3072 L1-L4 0.96x-0.77x,
-# 1024^2 0.98x-0.88x, 2048^2 L1 1.07x L2 1.13x L3 1.14x L4 1.12x, 4096^2 L1
-# 1.08x L2 1.23x L3 1.21x L4 1.21x. CUDA: only full dots were timed (H100,
-# bench/results/nvidia-h100-80gb-hbm3: Optax's Muon step at 82% of the f32
-# matmul ceiling at 4096^2 but 19-30% for batched 256-row and 1024-row
-# matrices, so smaller blocks are no sure gain); TPU: nothing timed.
+# CPU, 2-core x86 host, jax 0.10.2, time over 0 levels:
+# - 5 f32 Newton–Schulz steps (`newton_schulz_reference`, best of 2-5 calls):
+#   768x3072 L1-L4 0.96x-0.77x; 1024^2 0.98x-0.88x; 2048^2 L1 1.07x, L2 1.13x,
+#   L3 1.14x, L4 1.12x; 4096^2 L1 1.08x, L2 1.23x, L3 1.21x, L4 1.21x.
+# - whole Muon steps (``python -m bench.kernels --tier full --filter
+#   'muon/(matrix/(1024x1024|4096x4096)|gpt2-small/f32)'``, commit 7a975a3):
+#   1024^2 L2 1.03x, L4 0.89x (a tie at L2: full dots keep Optax's op order);
+#   GPT-2 small's tree (768 rows) L2 0.77x, L4 0.66x.
+# CUDA: only full dots were timed (H100, bench/results/nvidia-h100-80gb-hbm3:
+# Optax's Muon step at 82% of the f32 matmul ceiling at 4096^2, 30% at 1024^2
+# and 19% on a stack of 256 x 1024 matrices, so smaller dots are no sure gain
+# there); TPU: nothing timed.
 _MEASURED_LEVELS: dict[str, tuple[tuple[int, int], ...]] = {"cpu": ((2048, 2),)}
 
 
@@ -69,8 +74,8 @@ def gram_levels_for(rows: int, platform: str) -> int:
   ``platform`` is a `jax.lax.platform_dependent` name (``"cpu"``, ``"cuda"``,
   ``"rocm"``, ``"tpu"``). On a CPU, 2 levels (0.75x of a square Newton–Schulz
   step's flops, measured 1.13x-1.23x faster) from 2048 rows; 0 below (measured
-  slower: fewer flops in smaller dots) and on every other platform, where no
-  block split was timed yet (see ``_MEASURED_LEVELS`` for the figures).
+  slower or a tie: fewer flops in smaller dots) and on every other platform,
+  where no block split was timed yet (``_MEASURED_LEVELS`` has the figures).
   """
   for min_rows, levels in _MEASURED_LEVELS.get(platform, ()):
     if rows >= min_rows:
