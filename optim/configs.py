@@ -279,6 +279,10 @@ class MuonConfig(SerializationMixin):
     state_format: storage of the momentum (both parts): None, ``"bf16"`` or
       ``"int8"``.
     seed: seed of the stochastic roundings (None: 0).
+    iter_dtype: dtype of the Newton-Schulz iterates (None: the momentum's;
+      ``"bfloat16"`` for bf16 matmuls, the one dtype the CUDA kernel takes).
+    gram_levels: block levels of Newton-Schulz's symmetric products (None:
+      the levels measured fastest on the platform; 0: Optax's full dots).
   """
 
   ns_coeffs: Any = (3.4445, -4.775, 2.0315)
@@ -296,6 +300,8 @@ class MuonConfig(SerializationMixin):
   adam_weight_decay: float = 0.0
   state_format: str | None = None
   seed: int | None = None
+  iter_dtype: Any = None
+  gram_levels: int | None = None
 
 
 @dataclasses.dataclass

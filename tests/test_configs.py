@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import jax.numpy as jnp
+import optax
 import pytest
 
 from pallasopt import optim
@@ -93,3 +94,19 @@ def test_configs_are_mutable_and_rechecked_when_used():
   schedule.warmup_steps = 20
   with pytest.raises(ValueError, match=r"warmup_steps \(20\) must be less than steps \(10\)"):
     optim.SchedulerFactory.create_scheduler(schedule)
+
+
+def test_muon_config_carries_the_newton_schulz_options_through_json():
+  # pallasopt's extra fields: bf16 iterates and block levels reach muon().
+  config = optim.MuonConfig.from_json(optim.MuonConfig(iter_dtype="bfloat16", gram_levels=1).to_json())
+  schedule = optim.SchedulerConfig("linear", 1e-2, learning_rate_end=0.0, steps=10)
+  tx, _ = optim.OptimizerFactory.create("muon", schedule, config, impl="xla")
+  params = {"w": jnp.linspace(-1.0, 1.0, 64 * 96).reshape(64, 96)}
+  grads = {"w": jnp.cos(params["w"] * 7.0)}
+  got, _ = tx.update(grads, tx.init(params), params)
+  want_tx = optim.muon(optax.linear_schedule(1e-2, 0.0, 10), iter_dtype=jnp.bfloat16,
+                       gram_levels=1, impl="xla")
+  want, _ = want_tx.update(grads, want_tx.init(params), params)
+  f32_tx = optim.muon(optax.linear_schedule(1e-2, 0.0, 10), impl="xla")
+  f32, _ = f32_tx.update(grads, f32_tx.init(params), params)
+  assert jnp.array_equal(got["w"], want["w"]) and not jnp.array_equal(got["w"], f32["w"])
