@@ -42,7 +42,7 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
   transform does not provide it.
 
   A transform whose ``learning_rate`` attribute is set (AdamW, Lion,
-  RMSProp, MARS) can fold a decay link that follows it in a chain: both
+  RMSProp, MARS, Adafactor) can fold a decay link that follows it in a chain: both
   entry points then take ``decay_link=(rate, mask)`` and add
   ``-learning_rate(t) * rate * p`` to the update of each masked leaf, in the
   same kernel. That is ``add_scheduled_weight_decay(lambda t:

@@ -14,6 +14,7 @@ from pallasopt.kernels._elementwise import store_moment
 from pallasopt.optim import _validation as v
 from pallasopt.optim._elementwise_tx import (
     check_low_bit_options,
+    decay_link_leaves,
     is_quantized,
     moment_arrays,
     moment_value,
@@ -267,7 +268,7 @@ def adafactor(
       )
     return tuple(state)
 
-  def step(grads, state, params, mode, grad_scale, learning_rate_now):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None):
     if params is None:
       raise ValueError(f"{_OWNER}: params are required (Adafactor's statistics use their shapes).")
     v.check_same_tree(_OWNER, "grads", grads, "params", params)
@@ -282,20 +283,38 @@ def adafactor(
     if learning_rate_now is None and learning_rate is not None:
       learning_rate_now = schedule_value(learning_rate, state[position["lr"]])
     decay_now = 0.0 if never_decays else schedule_value(weight_decay_rate, state[position["decay"]])
+    leaves = jax.tree.leaves(params)
+    decays = ([False] * len(leaves) if never_decays
+              else v.broadcast_mask(_OWNER, weight_decay_mask, grads))
+    if decay_link is not None:
+      if learning_rate_now is None:
+        raise ValueError(
+            f"{_OWNER}: decay_link needs a learning rate (the link's decay is lr * rate * p); "
+            "this adafactor has learning_rate=None."
+        )
+      # Per leaf (own decay, link decay). The link adds -lr * rate * p to the
+      # negated update, i.e. lr * rate to Adafactor's own (unscaled) rate.
+      link_rate, linked = decay_link_leaves(_OWNER, decay_link, grads)
+      decays = [(own, link) if own or link else False for own, link in zip(decays, linked)]
+
+    def leaf_decay(decay):
+      """The leaf's decay rate: its own, plus the folded link's."""
+      if not isinstance(decay, tuple):
+        return decay_now
+      own, link = decay
+      return (decay_now if own else 0.0) + (learning_rate_now * link_rate if link else 0.0)
+
     @functools.cache
-    def scalars():  # built only if some leaf runs a kernel
+    def scalars(decay):  # built only if some leaf runs a kernel
       return adafactor_kernels.adafactor_scalars(
           factored_state.count,
           learning_rate=1.0 if learning_rate_now is None else learning_rate_now,
           decay_rate=decay_rate, decay_offset=decay_offset, eps=eps,
           clipping_threshold=1.0 if clipping_threshold is None else clipping_threshold,
           momentum=0.0 if momentum is None else momentum,
-          weight_decay=decay_now,
+          weight_decay=leaf_decay(decay),
           grad_scale=1.0 if grad_scale is None else grad_scale,
       )
-    leaves = jax.tree.leaves(params)
-    decays = ([False] * len(leaves) if never_decays
-              else v.broadcast_mask(_OWNER, weight_decay_mask, grads))
     ms = (jax.tree.leaves(state[position["momentum"]].ema, is_leaf=is_quantized)
           if "momentum" in links else [None] * len(leaves))
     kernel = (adafactor_kernels.adafactor_apply if mode == "apply"
@@ -323,10 +342,10 @@ def adafactor(
       ):
         return low_bit_step(index, path, p, g, vr, vc, vf, m, d)
       if v.kernel_dtypes(p, g, vr, vc, vf, m):
-        return kernel(p, g, vr, vc, vf, m, scalars(), factored_dims=dims_of(p.shape),
+        return kernel(p, g, vr, vc, vf, m, scalars(d), factored_dims=dims_of(p.shape),
                       stacked_axes=stacked_axes, clipping=clipping_threshold is not None,
                       parameter_scale=multiply_by_parameter_scale, momentum=m is not None,
-                      decay=d, impl=impl)
+                      decay=bool(d), impl=impl)
       if stacked_axes:
         raise TypeError(
             f"{_OWNER}: stacked_axes={stacked_axes} needs float32 or bfloat16 leaves (Optax "
@@ -334,7 +353,7 @@ def adafactor(
         )
       if grad_scale is not None:
         g = (g * grad_scale).astype(g.dtype)
-      return optax_leaf(p, g, vr, vc, vf, m, state, d, mode, learning_rate_now, decay_now)
+      return optax_leaf(p, g, vr, vc, vf, m, state, d, mode, learning_rate_now, leaf_decay(d))
 
     paths = [path for path, _ in v.keyed_leaves(grads)]
     results = [
@@ -358,4 +377,4 @@ def adafactor(
       new_state[i] = new_state[i]._replace(ema=new_m)
     return first, tuple(new_state)
 
-  return fused_transformation(init_fn, step)
+  return fused_transformation(init_fn, step, learning_rate=learning_rate)

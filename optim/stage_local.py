@@ -536,7 +536,7 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
      weight_decay * p`` on the masked leaves): when the optimizer scales by
      that same schedule (``optimizer.learning_rate is metadata.scheduler``,
      or ``learning_rate_fn`` replaces both) and can fold it (AdamW, Lion,
-     RMSProp, MARS),
+     RMSProp, MARS, Adafactor),
      its kernels add the decay in the same pass (``decay_link``); otherwise
      step 4 runs ``optimizer.scaled_update`` (the same kernels writing
      updates), the link adds its decay, and XLA applies them, in eFormer's

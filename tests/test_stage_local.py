@@ -551,7 +551,7 @@ def test_bad_scheduler_configs_are_named(kwargs, match):
     SchedulerConfig(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["adamw", "lion", "rmsprop", "mars"])
+@pytest.mark.parametrize("name", ["adamw", "lion", "rmsprop", "mars", "adafactor"])
 def test_factory_decay_link_folds_into_the_fused_kernels(name):
   # These optimizers scale by the factory's schedule, so the scheduled decay
   # link is added inside their kernels (decay_link) rather than by an extra
