@@ -98,7 +98,8 @@ def test_configs_are_mutable_and_rechecked_when_used():
 
 def test_muon_config_carries_the_newton_schulz_options_through_json():
   # pallasopt's extra fields: bf16 iterates and block levels reach muon().
-  config = optim.MuonConfig.from_json(optim.MuonConfig(iter_dtype="bfloat16", gram_levels=1).to_json())
+  config = optim.MuonConfig(iter_dtype="bfloat16", gram_levels=1)
+  config = optim.MuonConfig.from_json(config.to_json())
   schedule = optim.SchedulerConfig("linear", 1e-2, learning_rate_end=0.0, steps=10)
   tx, _ = optim.OptimizerFactory.create("muon", schedule, config, impl="xla")
   params = {"w": jnp.linspace(-1.0, 1.0, 64 * 96).reshape(64, 96)}
