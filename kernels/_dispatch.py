@@ -9,8 +9,9 @@ an ``impl`` string:
   whose Triton kernel was measured slower than XLA there
   (``auto_on_cuda="xla"``, said in that family's docstring); the reference on
   CPUs and anything else.
-* ``"pallas"``: the Mosaic TPU kernel on TPU, the Triton kernel on GPUs; a
-  clear error on a platform Pallas cannot compile for (a CPU: use
+* ``"pallas"``: the Mosaic TPU kernel on TPU, the GPU kernel on GPUs (Triton,
+  or Mosaic GPU for Newton–Schulz; kernels receive ``backend="triton"`` for
+  either); a clear error on a platform Pallas cannot compile for (a CPU: use
   ``"interpret"``).
 * ``"interpret"``: the Pallas kernel run by the Pallas interpreter, on any
   backend (slow; for tests and debugging).
