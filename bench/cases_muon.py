@@ -20,8 +20,9 @@ Muon trees of GPT-2 small and the 1B decoder (every rank-2 leaf, as Optax
 routes them), f32 and ``ns-bf16``; and 1024², 4096² and GPT-2 small's tree
 with ``gram_levels`` 2 and 4 (labels ``.../gram-L2``, ``.../gram-L4``), the
 block-symmetric XLA path that ``gram_levels=None`` takes only where it was
-measured faster (`pallasopt.kernels.gram.gram_levels_for`). The ``quick`` tier on a CPU host and the
-``ci`` tier use tiny matrices (``ci`` also the tiny GPT-2 tree).
+measured faster (`pallasopt.kernels.gram.gram_levels_for`). The ``quick``
+tier on a CPU host and the ``ci`` tier use tiny matrices (``ci`` also the
+tiny GPT-2 tree and one ``gram-L1`` row).
 """
 
 from __future__ import annotations
