@@ -69,6 +69,8 @@ __all__ = [
     "check_seed",
     "check_low_bit_options",
     "decay_link_leaves",
+    "with_decay_link",
+    "leaf_decay_rate",
     "fused_leaf_steps",
 ]
 
@@ -189,6 +191,31 @@ def decay_link_leaves(owner: str, decay_link: Any, grads: Any) -> tuple[Any, lis
     return 0.0, [False] * len(jax.tree.leaves(grads))
   rate, mask = decay_link
   return rate, v.broadcast_mask(owner, mask, grads)
+
+
+def with_decay_link(
+    owner: str, decays: list[bool], decay_link: Any, grads: Any
+) -> tuple[Any, list[Any]]:
+  """An optimizer's own per-leaf decay flags merged with a folded decay link's.
+
+  Returns the link's rate (0 for None) and, per leaf, ``(own, link)`` where
+  either decays, else False (``decays`` unchanged when ``decay_link`` is
+  None); `leaf_decay_rate` reads them.
+  """
+  if decay_link is None:
+    return 0.0, decays
+  link_rate, links = decay_link_leaves(owner, decay_link, grads)
+  return link_rate, [(own, link) if own or link else False for own, link in zip(decays, links)]
+
+
+def leaf_decay_rate(decay: Any, own_rate: Any, link_rate: Any) -> Any:
+  """A leaf's decay rate from its `with_decay_link` flags: ``own_rate`` for a
+  plain flag; else ``own_rate`` if it decays by its own plus ``link_rate`` if
+  by the link."""
+  if not isinstance(decay, tuple):
+    return own_rate
+  own, link = decay
+  return (own_rate if own else 0.0) + (link_rate if link else 0.0)
 
 
 def check_seed(owner: str, seed: Any) -> None:
@@ -364,10 +391,8 @@ def elementwise_transform(
     )
     num_leaves = len(jax.tree.leaves(grads))
     decays = [False] * num_leaves if never_decays else v.broadcast_mask(owner, mask, grads)
-    if decay_link is not None:
-      # Per leaf (own decay, link decay): the kernels add both rates times p.
-      link_rate, links = decay_link_leaves(owner, decay_link, grads)
-      decays = [(own, link) if own or link else False for own, link in zip(decays, links)]
+    # Per leaf (own decay, link decay): the kernels add both rates times lr p.
+    link_rate, decays = with_decay_link(owner, decays, decay_link, grads)
     ps = v.checked_param_leaves(owner, params, grads, mode=mode, decays=decays)
 
     count = optax.safe_increment(moment_state.count)
@@ -376,12 +401,9 @@ def elementwise_transform(
     weight_decay_now = schedule_value(weight_decay, decay_state)
     kernel = apply_kernel if mode == "apply" else updates_kernel
 
-    def leaf_decay(decay):
-      """The leaf's decay rate: its own, plus the folded link's."""
-      if not isinstance(decay, tuple):
-        return weight_decay_now
-      own, link = decay
-      return (weight_decay_now if own else 0.0) + (link_rate if link else 0.0)
+    leaf_decay = functools.partial(
+        leaf_decay_rate, own_rate=weight_decay_now, link_rate=link_rate
+    )
 
     @functools.cache
     def step_scalars(decay):  # built only if some leaf runs a kernel

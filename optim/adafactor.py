@@ -14,12 +14,13 @@ from pallasopt.kernels._elementwise import store_moment
 from pallasopt.optim import _validation as v
 from pallasopt.optim._elementwise_tx import (
     check_low_bit_options,
-    decay_link_leaves,
     is_quantized,
+    leaf_decay_rate,
     moment_arrays,
     moment_value,
     momentum_bits,
     stored_moments,
+    with_decay_link,
 )
 from pallasopt.optim._base import (
     FusedGradientTransformation,
@@ -286,23 +287,18 @@ def adafactor(
     leaves = jax.tree.leaves(params)
     decays = ([False] * len(leaves) if never_decays
               else v.broadcast_mask(_OWNER, weight_decay_mask, grads))
-    if decay_link is not None:
-      if learning_rate_now is None:
-        raise ValueError(
-            f"{_OWNER}: decay_link needs a learning rate (the link's decay is lr * rate * p); "
-            "this adafactor has learning_rate=None."
-        )
-      # Per leaf (own decay, link decay). The link adds -lr * rate * p to the
-      # negated update, i.e. lr * rate to Adafactor's own (unscaled) rate.
-      link_rate, linked = decay_link_leaves(_OWNER, decay_link, grads)
-      decays = [(own, link) if own or link else False for own, link in zip(decays, linked)]
-
-    def leaf_decay(decay):
-      """The leaf's decay rate: its own, plus the folded link's."""
-      if not isinstance(decay, tuple):
-        return decay_now
-      own, link = decay
-      return (decay_now if own else 0.0) + (learning_rate_now * link_rate if link else 0.0)
+    if decay_link is not None and learning_rate_now is None:
+      raise ValueError(
+          f"{_OWNER}: decay_link needs a learning rate (the link's decay is lr * rate * p); "
+          "this adafactor has learning_rate=None."
+      )
+    # Per leaf (own decay, link decay). The link adds -lr * rate * p to the
+    # negated update, i.e. lr * rate to Adafactor's own (unscaled) rate.
+    link_rate, decays = with_decay_link(_OWNER, decays, decay_link, grads)
+    leaf_decay = functools.partial(
+        leaf_decay_rate, own_rate=decay_now,
+        link_rate=0.0 if decay_link is None else learning_rate_now * link_rate,
+    )
 
     @functools.cache
     def scalars(decay):  # built only if some leaf runs a kernel
