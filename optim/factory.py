@@ -543,6 +543,21 @@ def _optimizer(module: str, name: str | None = None):
   return getattr(importlib.import_module(f"pallasopt.optim.{module}"), name or module)
 
 
+def _build_with_every_field(
+    builder: OptimizerBuilder, scheduler: optax.Schedule, module: str, name: str | None = None,
+    *, skip_none: bool = False,
+) -> optax.GradientTransformation:
+  """``pallasopt.optim.<module>.<name>(scheduler, **config fields, stacked_axes, impl)``
+  for a builder whose config fields are all keywords of its optimizer (with
+  ``skip_none``, fields left at None are not passed)."""
+  fields = {f.name: getattr(builder.config, f.name) for f in dataclasses.fields(builder.config)}
+  if skip_none:
+    fields = {k: value for k, value in fields.items() if value is not None}
+  return _optimizer(module, name)(
+      scheduler, **fields, stacked_axes=builder.stacked_axes, impl=builder.impl
+  )
+
+
 def _low_bit(config: Any, *names: str) -> dict[str, Any]:
   """pallasopt's extra config fields, passed on by name."""
   return {name: getattr(config, name) for name in names}
@@ -574,10 +589,7 @@ class AdafactorOptimizer(OptimizerBuilder):
   config: AdafactorConfig
 
   def build(self, scheduler: optax.Schedule) -> optax.GradientTransformation:
-    fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-    return _optimizer("adafactor")(
-        scheduler, **fields, stacked_axes=self.stacked_axes, impl=self.impl
-    )
+    return _build_with_every_field(self, scheduler, "adafactor")
 
 
 @register_optimizer("lion")
@@ -622,8 +634,7 @@ class MuonOptimizer(OptimizerBuilder):
   config: MuonConfig
 
   def build(self, scheduler: optax.Schedule) -> optax.GradientTransformation:
-    fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-    return _optimizer("muon")(scheduler, **fields, stacked_axes=self.stacked_axes, impl=self.impl)
+    return _build_with_every_field(self, scheduler, "muon")
 
 
 @register_optimizer("mars")
@@ -652,17 +663,8 @@ class KronOptimizer(OptimizerBuilder):
   config: KronConfig
 
   def build(self, scheduler: optax.Schedule) -> optax.GradientTransformation:
-    fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-    fields = {k: value for k, value in fields.items() if value is not None}
-    return _optimizer("kron")(scheduler, **fields, stacked_axes=self.stacked_axes, impl=self.impl)
+    return _build_with_every_field(self, scheduler, "kron", skip_none=True)
 
-
-
-def _build_white_kron(builder: OptimizerBuilder, style: str, scheduler: optax.Schedule):
-  fields = {f.name: getattr(builder.config, f.name) for f in dataclasses.fields(builder.config)}
-  return _optimizer("white_kron", style)(
-      scheduler, **fields, stacked_axes=builder.stacked_axes, impl=builder.impl
-  )
 
 
 @register_optimizer("quad")
@@ -674,7 +676,7 @@ class QuadOptimizer(OptimizerBuilder):
   config: WhiteKronConfig
 
   def build(self, scheduler: optax.Schedule) -> optax.GradientTransformation:
-    return _build_white_kron(self, "quad", scheduler)
+    return _build_with_every_field(self, scheduler, "white_kron", "quad")
 
 
 @register_optimizer("skew")
@@ -686,4 +688,4 @@ class SkewOptimizer(OptimizerBuilder):
   config: WhiteKronConfig
 
   def build(self, scheduler: optax.Schedule) -> optax.GradientTransformation:
-    return _build_white_kron(self, "skew", scheduler)
+    return _build_with_every_field(self, scheduler, "white_kron", "skew")
