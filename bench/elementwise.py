@@ -146,7 +146,8 @@ class ElementwiseFamily:
     """Optax with f32 state (and with a bf16 first moment) against ``state_format`` state.
 
     ``bf16_params``: pallasopt's params and grads are bf16, rounded
-    stochastically, against Optax on the workload's f32 params.
+    stochastically by the fused apply (to nearest by ``update`` +
+    ``optax.apply_updates``), against Optax on the workload's f32 params.
     """
     mask = decay_mask(workload)
     decays = [True] * workload.leaves if mask is None else jax.tree.leaves(mask)
@@ -155,9 +156,12 @@ class ElementwiseFamily:
     if bf16_params:
       ours_tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), ours_tree)
     label = f"{workload.label}{'/bf16-sr' if bf16_params else ''}/state-{state_format}"
-    ours = lambda impl: self.pallasopt_factory(
-        **kwargs, state_format=state_format,
-        param_rounding="stochastic" if bf16_params else "nearest", impl=impl,
+    # Only the fused apply rounds params stochastically: the update path
+    # returns updates (optax.apply_updates rounds to nearest), so it runs
+    # with "nearest", as it must.
+    fused_rounding = "stochastic" if bf16_params else "nearest"
+    ours = lambda impl, param_rounding="nearest": self.pallasopt_factory(
+        **kwargs, state_format=state_format, param_rounding=param_rounding, impl=impl,
     )
     optax_tx, optax_bf16 = self.optax_factory(**kwargs), self.optax_factory(
         **kwargs, mu_dtype=jnp.bfloat16)
@@ -180,7 +184,7 @@ class ElementwiseFamily:
                      inputs=inputs_for(workload.tree, mu_dtype=jnp.bfloat16)),
         harness.Impl("pallasopt.update", lambda k: harness.optax_step(ours(k)),
                      inputs=inputs_for(ours_tree, state_format)),
-        harness.Impl("pallasopt.fused", lambda k: harness.fused_step(ours(k)),
+        harness.Impl("pallasopt.fused", lambda k: harness.fused_step(ours(k, fused_rounding)),
                      bytes=self.low_bit_bytes(ours_tree, state_format),
                      inputs=inputs_for(ours_tree, state_format)),
     )

@@ -73,6 +73,7 @@ from pallasopt.optim.lion import lion
 from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
 from pallasopt.optim.rmsprop import rmsprop
 from pallasopt.optim.state_formats import convert_state
+from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 from pallasopt.optim.white_kron import quad, scale_by_quad, scale_by_skew, skew
 from pallasopt.optim.muon import (
     MUON_STATIC_ARGS,
@@ -101,6 +102,10 @@ __all__ = [
     "convert_state",
     "Int8Blockwise",
     "Fp8Blockwise",
+    # Type aliases of the signatures.
+    "ScalarOrSchedule",
+    "Numeric",
+    "MaskOrFn",
     # Drop-ins.
     "adafactor",
     "adamw",

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pallasopt.optim._types import ScalarOrSchedule
+
 __all__ = [
     "FusedGradientTransformation",
     "apply_gradients",
@@ -55,11 +57,11 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
   # path is an instance attribute.
   apply_gradients: ApplyFn
   scaled_update: ApplyFn | None
-  learning_rate: optax.ScalarOrSchedule | None
+  learning_rate: ScalarOrSchedule | None
 
   def __new__(
       cls, init, update, apply_gradients: ApplyFn, scaled_update: ApplyFn | None = None,
-      learning_rate: optax.ScalarOrSchedule | None = None,
+      learning_rate: ScalarOrSchedule | None = None,
   ):
     self = super().__new__(cls, init, update)
     self.apply_gradients = apply_gradients
@@ -70,7 +72,7 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
 
 def fused_transformation(
     init_fn: Callable[[optax.Params], optax.OptState], step: Callable[..., Any],
-    learning_rate: optax.ScalarOrSchedule | None = None,
+    learning_rate: ScalarOrSchedule | None = None,
 ) -> FusedGradientTransformation:
   """A `FusedGradientTransformation` whose two paths share one ``step``.
 
@@ -105,7 +107,7 @@ def fused_transformation(
 def chained_transformation(
     scaling: optax.GradientTransformation,
     decay: optax.GradientTransformation | None,
-    learning_rate: optax.ScalarOrSchedule,
+    learning_rate: ScalarOrSchedule,
 ) -> FusedGradientTransformation:
   """``optax.chain(scaling, [decay], scale_by_learning_rate(learning_rate))``
   with the fused entry points.
@@ -185,7 +187,7 @@ def schedule_count(state: Any):
   return state.count if _has_count(state) else None
 
 
-def schedule_value(value: optax.ScalarOrSchedule, state: Any):
+def schedule_value(value: ScalarOrSchedule, state: Any):
   """`value` at `state`'s step count if it is a schedule, else `value` itself."""
   return value(schedule_count(state)) if callable(value) else value
 

@@ -55,6 +55,7 @@ from pallasopt.optim._base import (
     fused_transformation,
     schedule_value,
 )
+from pallasopt.optim._types import MaskOrFn, ScalarOrSchedule
 
 __all__ = [
     "STATE_FORMATS",
@@ -144,12 +145,12 @@ def _check_hyperparameters(
     betas: Mapping[str, Any],
     nonnegative: Mapping[str, Any],
 ) -> None:
-  v.check_hyperparameter(owner, "learning_rate", learning_rate)
+  v.check_finite(owner, "learning_rate", learning_rate)
   for name, value in betas.items():
     v.check_hyperparameter(owner, name, value, high=1.0, high_inclusive=False)
   for name, value in nonnegative.items():
     v.check_hyperparameter(owner, name, value)
-  v.check_hyperparameter(owner, "weight_decay", weight_decay)
+  v.check_finite(owner, "weight_decay", weight_decay)
 
 
 def momentum_bits(
@@ -227,6 +228,26 @@ def check_seed(owner: str, seed: Any) -> None:
     raise ValueError(f"{owner}: seed must be an int32 value; got {seed!r}.")
 
 
+def _refuse_unrounded_updates(owner: str, grads: Any, params: list[Any]) -> None:
+  """``param_rounding="stochastic"`` rounds where the step writes the params.
+
+  ``update`` returns updates, and ``optax.apply_updates`` would round the
+  bfloat16 params to nearest: the rounding asked for would silently not
+  happen, so a step that returns updates for bfloat16 params is an error.
+  (For float32 params the option changes nothing.)
+  """
+  for (path, g), p in zip(v.keyed_leaves(grads), params, strict=True):
+    if jnp.result_type(g if p is None else p) == jnp.bfloat16:
+      raise ValueError(
+          f"{owner}: param_rounding='stochastic' rounds bfloat16 params only where the "
+          f"optimizer writes them, in apply_gradients; update returns updates, which "
+          f"optax.apply_updates would round to nearest (leaf{path} is bfloat16). Call "
+          "tx.apply_gradients(params, grads, opt_state) or "
+          "pallasopt.optim.apply_gradients(tx, ...) on this transform itself (not on a "
+          "chain around it), or pass param_rounding='nearest'."
+      )
+
+
 def fused_leaf_steps(
     owner: str,
     grads: Any,
@@ -266,6 +287,8 @@ def fused_leaf_steps(
       decay; ``scalars`` and ``optax_fallback`` get it (a family whose leaves
       decay by different rates tells them apart by it).
   """
+  if mode == "updates" and param_rounding == "stochastic":
+    _refuse_unrounded_updates(owner, grads, params)
   state_rounding = "stochastic" if state_format == "bf16" else "nearest"
   rounds = state_format is not None or param_rounding == "stochastic"
 
@@ -302,9 +325,9 @@ def fused_leaf_steps(
 
 def elementwise_transform(
     owner: str,
-    learning_rate: optax.ScalarOrSchedule,
-    weight_decay: optax.ScalarOrSchedule,
-    mask: Any | Callable[[optax.Params], Any] | None,
+    learning_rate: ScalarOrSchedule,
+    weight_decay: ScalarOrSchedule,
+    mask: MaskOrFn,
     mu_dtype: Any | None,
     impl: str,
     *,
@@ -324,8 +347,8 @@ def elementwise_transform(
 
   Args:
     owner: the public name, e.g. ``"pallasopt.optim.lion"``, for messages.
-    learning_rate: a scalar or schedule; checked to be >= 0 when concrete.
-    weight_decay: a scalar or schedule; checked to be >= 0 when concrete.
+    learning_rate: a scalar or schedule; checked to be finite when concrete.
+    weight_decay: a scalar or schedule; checked to be finite when concrete.
     mask: Optax's weight-decay mask (tree, prefix tree or callable).
     mu_dtype: dtype of the first moment, float32 or bfloat16, or None.
     impl: the kernels' ``impl``; checked here.

@@ -36,9 +36,9 @@ def check_same_tree(owner: str, name: str, tree: Any, ref_name: str, ref_tree: A
     want = {p for p, _ in keyed_leaves(ref_tree)}
     details = []
     if want - got:
-      details.append(f"missing in {name}: {sorted(want - got)[:5]}")
+      details.append(f"missing in {name}: {_path_list(want - got)}")
     if got - want:
-      details.append(f"unexpected in {name}: {sorted(got - want)[:5]}")
+      details.append(f"unexpected in {name}: {_path_list(got - want)}")
     raise ValueError(
         f"{owner}: {name} must have the same tree structure as {ref_name}. "
         + ("; ".join(details) if details else f"{name}: {struct}; {ref_name}: {ref_struct}")
@@ -49,6 +49,13 @@ def check_same_tree(owner: str, name: str, tree: Any, ref_name: str, ref_tree: A
           f"{owner}: {name}{path} has shape {jnp.shape(leaf)} but "
           f"{ref_name}{path} has shape {jnp.shape(ref_leaf)}; they must match."
       )
+
+
+def _path_list(paths: set[str], most: int = 5) -> str:
+  """Key paths as `jax.tree_util.keystr` writes them, the first `most` of them."""
+  shown = sorted(paths)[:most]
+  more = f" and {len(paths) - most} more" if len(paths) > most else ""
+  return ", ".join(shown) + more
 
 
 def check_float_leaves(owner: str, name: str, tree: Any) -> None:
@@ -128,6 +135,17 @@ def check_hyperparameter(
     raise ValueError(
         f"{owner}: {name} must be in [{low}, {high}{bound}; got {value!r}."
     )
+
+
+def check_finite(owner: str, name: str, value: Any) -> None:
+  """A concrete hyperparameter must be a finite number; its sign is free.
+
+  For learning rates and weight-decay rates, which Optax takes with either
+  sign (a negative learning rate ascends). Traced values and schedules pass.
+  """
+  x = _concrete_value(value)
+  if x is not None and not math.isfinite(x):
+    raise ValueError(f"{owner}: {name} must be a finite number; got {value!r}.")
 
 
 def is_int(value: Any) -> bool:

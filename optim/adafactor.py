@@ -1,7 +1,6 @@
 """Adafactor as a drop-in for `optax.adafactor`, backed by the fused Adafactor kernels."""
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,6 +27,7 @@ from pallasopt.optim._base import (
     fused_transformation,
     schedule_value,
 )
+from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 
 __all__ = ["adafactor", "ADAFACTOR_STATIC_ARGS"]
 
@@ -50,18 +50,18 @@ def _state_shapes(shape, dtype, dims):
 
 
 def adafactor(
-    learning_rate: optax.ScalarOrSchedule | None = None,
+    learning_rate: ScalarOrSchedule | None = None,
     min_dim_size_to_factor: int = 128,
-    decay_rate: jax.typing.ArrayLike = 0.8,
-    decay_offset: jax.typing.ArrayLike = 0,
+    decay_rate: Numeric = 0.8,
+    decay_offset: Numeric = 0,
     multiply_by_parameter_scale: bool = True,
-    clipping_threshold: jax.typing.ArrayLike | None = 1.0,
-    momentum: jax.typing.ArrayLike | None = None,
+    clipping_threshold: Numeric | None = 1.0,
+    momentum: Numeric | None = None,
     dtype_momentum: Any = jnp.float32,
-    weight_decay_rate: optax.ScalarOrSchedule | None = None,
-    eps: jax.typing.ArrayLike = 1e-30,
+    weight_decay_rate: ScalarOrSchedule | None = None,
+    eps: Numeric = 1e-30,
     factored: bool = True,
-    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+    weight_decay_mask: MaskOrFn = None,
     *,
     stacked_axes: int | None = None,
     state_format: str | None = None,
@@ -169,13 +169,13 @@ def adafactor(
   stacked_axes = v.static_int(
       _OWNER, "stacked_axes", 0 if stacked_axes is None else stacked_axes, **hint)
   inf = float("inf")
+  for name, value in (("learning_rate", learning_rate), ("weight_decay_rate", weight_decay_rate)):
+    v.check_finite(_OWNER, name, value)
   for name, value, low, high in (
-      ("learning_rate", learning_rate, 0.0, inf),
       ("decay_rate", decay_rate, 0.0, inf),
       ("decay_offset", decay_offset, -inf, inf),
       ("clipping_threshold", clipping_threshold, 0.0, inf),
       ("momentum", momentum, 0.0, 1.0),
-      ("weight_decay_rate", weight_decay_rate, 0.0, inf),
       ("eps", eps, 0.0, inf),
   ):
     if value is not None:

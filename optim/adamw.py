@@ -1,15 +1,14 @@
 """AdamW as a drop-in for `optax.adamw`, backed by the fused AdamW kernel."""
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
-import jax
 import optax
 
 from pallasopt.kernels import adamw as adamw_kernels
 from pallasopt.optim._base import FusedGradientTransformation
 from pallasopt.optim._elementwise_tx import elementwise_transform
+from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 
 __all__ = ["adamw", "nadamw"]
 
@@ -17,14 +16,14 @@ _OWNER = "pallasopt.optim.adamw"
 
 
 def adamw(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: jax.typing.ArrayLike = 0.9,
-    b2: jax.typing.ArrayLike = 0.999,
-    eps: jax.typing.ArrayLike = 1e-8,
-    eps_root: jax.typing.ArrayLike = 0.0,
+    learning_rate: ScalarOrSchedule,
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
+    eps_root: Numeric = 0.0,
     mu_dtype: Any | None = None,
-    weight_decay: optax.ScalarOrSchedule = 1e-4,
-    mask: Any | Callable[[optax.Params], Any] | None = None,
+    weight_decay: ScalarOrSchedule = 1e-4,
+    mask: MaskOrFn = None,
     *,
     nesterov: bool = False,
     state_format: str | None = None,
@@ -87,7 +86,7 @@ def adamw(
     eps: added to the denominator outside the square root, >= 0.
     eps_root: added inside the square root, >= 0.
     mu_dtype: dtype of the first moment (None: the params' dtype).
-    weight_decay: decoupled weight decay (scalar or schedule), >= 0; as in
+    weight_decay: decoupled weight decay (scalar or schedule); as in
       Optax it is multiplied by the learning rate.
     mask: a tree of bools (or a prefix of the params tree, or a callable
       returning one) selecting the leaves that decay.
@@ -95,8 +94,9 @@ def adamw(
     state_format: how the moments are stored (`low-bit state`_): ``None``
       (Optax's state), ``"bf16"``, ``"int8"`` or ``"fp8"``.
     param_rounding: ``"nearest"`` or ``"stochastic"``: how
-      ``apply_gradients`` rounds bfloat16 params (``update`` returns
-      updates and rounds nothing).
+      ``apply_gradients`` rounds bfloat16 params. ``update`` returns
+      updates, which ``optax.apply_updates`` rounds to nearest, so with
+      ``"stochastic"`` it raises for bfloat16 params.
     seed: seed of the stochastic roundings (an int; None means 0, and keeps
       ``optax.inject_hyperparams``' state tree Optax's).
     impl: ``"auto" | "pallas" | "interpret" | "xla"``; see

@@ -47,6 +47,7 @@ import optax
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import FusedGradientTransformation
+from pallasopt.optim._types import MaskOrFn
 from pallasopt.optim.configs import (
     AdafactorConfig,
     AdamWConfig,
@@ -311,7 +312,7 @@ class OptimizerFactory:
       optimizer_config: Any | None = None,
       *,
       weight_decay: float = 0.0,
-      weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+      weight_decay_mask: MaskOrFn = None,
       gradient_accumulation_steps: int = 1,
       clip_grad: float | None = None,
       custom_scheduler: Callable[[int], optax.Schedule] | None = None,

@@ -78,6 +78,7 @@ from pallasopt.optim._base import (
     fused_transformation,
     schedule_value,
 )
+from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 
 __all__ = [
     "KRON_STATIC_ARGS",
@@ -98,7 +99,7 @@ _BALANCE_PROB = 0.01
 
 def precond_update_prob_schedule(
     max_prob: float = 1.0, min_prob: float = 0.03, decay: float = 0.001, flat_start: int = 500
-) -> Callable[[jax.typing.ArrayLike], jax.Array]:
+) -> Callable[[Numeric], jax.Array]:
   """psgd_jax's annealed update probability: ``max_prob`` for ``flat_start``
   steps, then ``max_prob * exp(-decay (n - flat_start))``, floored at
   ``min_prob`` (0.03 by about step 4000 with the defaults)."""
@@ -456,10 +457,10 @@ _CORE_ARGS = tuple(inspect.signature(scale_by_kron).parameters)
 
 
 def kron(
-    learning_rate: optax.ScalarOrSchedule = 0.001,
+    learning_rate: ScalarOrSchedule = 0.001,
     b1: float = 0.9,
     weight_decay: float = 0.0,
-    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+    weight_decay_mask: MaskOrFn = None,
     preconditioner_update_probability: float | Callable[[int], float] = precond_update_prob_schedule(),
     max_size_triangular: int = 8192,
     min_ndim_triangular: int = 2,
@@ -500,8 +501,8 @@ def kron(
     ValueError: a hyperparameter out of range; mismatched grads and state.
     TypeError: a leaf (or ``mu_dtype``/``precond_dtype``) not float32/bfloat16.
   """
-  v.check_hyperparameter(_OWNER, "learning_rate", learning_rate)
-  v.check_hyperparameter(_OWNER, "weight_decay", weight_decay)
+  v.check_finite(_OWNER, "learning_rate", learning_rate)
+  v.check_finite(_OWNER, "weight_decay", weight_decay)
   if callable(weight_decay):
     raise TypeError(f"{_OWNER}: weight_decay must be a scalar (psgd_jax takes no schedule).")
   args = locals()

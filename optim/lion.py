@@ -1,25 +1,24 @@
 """Lion as a drop-in for `optax.lion`, backed by the fused Lion kernel."""
 
-from collections.abc import Callable
 from typing import Any
 
-import jax
 import optax
 
 from pallasopt.kernels import lion as lion_kernels
 from pallasopt.optim._base import FusedGradientTransformation
 from pallasopt.optim._elementwise_tx import elementwise_transform
+from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 
 __all__ = ["lion"]
 
 
 def lion(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: jax.typing.ArrayLike = 0.9,
-    b2: jax.typing.ArrayLike = 0.99,
+    learning_rate: ScalarOrSchedule,
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.99,
     mu_dtype: Any | None = None,
-    weight_decay: optax.ScalarOrSchedule = 1e-3,
-    mask: Any | Callable[[optax.Params], Any] | None = None,
+    weight_decay: ScalarOrSchedule = 1e-3,
+    mask: MaskOrFn = None,
     *,
     state_format: str | None = None,
     param_rounding: str = "nearest",
@@ -67,15 +66,16 @@ def lion(
     b1: interpolation between momentum and gradient for the sign, in [0, 1).
     b2: decay of the momentum, in [0, 1).
     mu_dtype: dtype of the momentum (None: the params' dtype).
-    weight_decay: weight decay (scalar or schedule), >= 0, scaled by the
+    weight_decay: weight decay (scalar or schedule), scaled by the
       learning rate like Optax's.
     mask: which leaves decay: bools in the params' tree (or a prefix of it),
       or a function of the params that returns them.
     state_format: how the momentum is stored: ``None`` (Optax's state),
       ``"bf16"``, ``"int8"`` or ``"fp8"``.
     param_rounding: ``"nearest"`` or ``"stochastic"``: how
-      ``apply_gradients`` rounds bfloat16 params (``update`` returns
-      updates and rounds nothing).
+      ``apply_gradients`` rounds bfloat16 params. ``update`` returns
+      updates, which ``optax.apply_updates`` rounds to nearest, so with
+      ``"stochastic"`` it raises for bfloat16 params.
     seed: seed of the stochastic roundings (an int; None means 0, and keeps
       ``optax.inject_hyperparams``' state tree Optax's).
     impl: which kernels run, ``"auto" | "pallas" | "interpret" | "xla"``

@@ -31,6 +31,7 @@ from pallasopt.optim._elementwise_tx import (
     moment_value,
     stored_moments,
 )
+from pallasopt.optim._types import ScalarOrSchedule
 
 __all__ = ["ScaleByMarsState", "scale_by_mars", "mars"]
 
@@ -125,7 +126,7 @@ def scale_by_mars(
 
 
 def mars(
-    learning_rate: optax.ScalarOrSchedule,
+    learning_rate: ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     gamma: float = 0.05,
@@ -160,7 +161,10 @@ def mars(
     mu_dtype: dtype of ``mu`` and ``mog`` (None: the params').
     state_format: ``None``, ``"bf16"``, ``"int8"`` or ``"fp8"`` (as in
       `pallasopt.optim.adamw`; ``mog`` on the signed map).
-    param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
+    param_rounding: ``"nearest"`` or ``"stochastic"``: how
+      ``apply_gradients`` rounds bfloat16 params. ``update`` returns
+      updates, which ``optax.apply_updates`` rounds to nearest, so with
+      ``"stochastic"`` it raises for bfloat16 params.
     seed: seed of the stochastic roundings (None: 0).
     impl: ``"auto" | "pallas" | "interpret" | "xla"``.
 
@@ -168,7 +172,7 @@ def mars(
     A `FusedGradientTransformation`.
   """
   _check(b1, b2, gamma, eps, eps_root, max_grad_norm)
-  v.check_hyperparameter(_OWNER, "learning_rate", learning_rate)
+  v.check_finite(_OWNER, "learning_rate", learning_rate)
   resolve_impl(impl)
   mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
   seed = check_low_bit_options(_OWNER, state_format, param_rounding, seed, mu_dtype)

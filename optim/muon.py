@@ -55,6 +55,7 @@ from pallasopt.optim._elementwise_tx import (
     momentum_bits,
     stored_moment,
 )
+from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 from pallasopt.optim.adamw import adamw
 
 __all__ = [
@@ -322,23 +323,23 @@ def _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs):
 
 
 def muon(
-    learning_rate: optax.ScalarOrSchedule,
+    learning_rate: ScalarOrSchedule,
     ns_coeffs: Any = _DEFAULT_NS_COEFFS,
     ns_steps: int = 5,
-    beta: jax.typing.ArrayLike = 0.95,
+    beta: Numeric = 0.95,
     eps: float = 1e-8,
-    weight_decay: optax.ScalarOrSchedule = 0.0,
-    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+    weight_decay: ScalarOrSchedule = 0.0,
+    weight_decay_mask: MaskOrFn = None,
     mu_dtype: Any | None = None,
     *,
     nesterov: bool = True,
     adaptive: bool = False,
     preconditioning: str = "frobenius",
-    adam_b1: jax.typing.ArrayLike = 0.9,
-    adam_b2: jax.typing.ArrayLike = 0.999,
-    adam_eps_root: jax.typing.ArrayLike = 0.0,
-    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    adam_b1: Numeric = 0.9,
+    adam_b2: Numeric = 0.999,
+    adam_eps_root: Numeric = 0.0,
+    adam_weight_decay: ScalarOrSchedule = 0.0,
+    adam_learning_rate: ScalarOrSchedule | None = None,
     muon_weight_dimension_numbers: Any = None,
     consistent_rms: float | None = None,
     impl: str = "auto",
@@ -490,15 +491,19 @@ def muon(
   extra_scale_factor = 1.0 if extra_scale_factor is None else extra_scale_factor
   beta2 = 0.95 if beta2 is None else beta2
   second_moment_eps = 1e-8 if second_moment_eps is None else second_moment_eps
+  for name, value in (
+      ("learning_rate", learning_rate),
+      ("adam_learning_rate", adam_learning_rate),
+      ("weight_decay", weight_decay),
+      ("adam_weight_decay", adam_weight_decay),
+  ):
+    v.check_finite(_OWNER, name, value)
   for name, value, high, inclusive in (
-      ("learning_rate", learning_rate, math.inf, True),
       ("beta", beta, 1.0, False),
       ("eps", eps, math.inf, True),
-      ("weight_decay", weight_decay, math.inf, True),
       ("adam_b1", adam_b1, 1.0, False),
       ("adam_b2", adam_b2, 1.0, False),
       ("adam_eps_root", adam_eps_root, math.inf, True),
-      ("adam_weight_decay", adam_weight_decay, math.inf, True),
       ("beta2", beta2, 1.0, False),
       ("second_moment_eps", second_moment_eps, math.inf, True),
   ):

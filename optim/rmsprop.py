@@ -2,7 +2,6 @@
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -22,6 +21,7 @@ from pallasopt.optim._elementwise_tx import (
     moment_arrays,
     stored_moments,
 )
+from pallasopt.optim._types import Numeric, ScalarOrSchedule
 
 __all__ = ["rmsprop"]
 
@@ -29,13 +29,13 @@ _OWNER = "pallasopt.optim.rmsprop"
 
 
 def rmsprop(
-    learning_rate: optax.ScalarOrSchedule,
-    decay: jax.typing.ArrayLike = 0.9,
-    eps: jax.typing.ArrayLike = 1e-8,
-    initial_scale: jax.typing.ArrayLike = 0.0,
+    learning_rate: ScalarOrSchedule,
+    decay: Numeric = 0.9,
+    eps: Numeric = 1e-8,
+    initial_scale: Numeric = 0.0,
     eps_in_sqrt: bool = True,
     centered: bool = False,
-    momentum: jax.typing.ArrayLike | None = None,
+    momentum: Numeric | None = None,
     nesterov: bool = False,
     bias_correction: bool = False,
     *,
@@ -86,8 +86,10 @@ def rmsprop(
     nesterov: Nesterov momentum.
     bias_correction: divide the moving averages by :math:`1-\rho^t`.
     state_format: ``None`` (Optax's state), ``"bf16"``, ``"int8"`` or ``"fp8"``.
-    param_rounding: ``"nearest"`` or ``"stochastic"`` rounding of bfloat16
-      params in ``apply_gradients``.
+    param_rounding: ``"nearest"`` or ``"stochastic"``: how
+      ``apply_gradients`` rounds bfloat16 params. ``update`` returns
+      updates, which ``optax.apply_updates`` rounds to nearest, so with
+      ``"stochastic"`` it raises for bfloat16 params.
     seed: seed of the stochastic roundings (an int; None means 0).
     impl: ``"auto" | "pallas" | "interpret" | "xla"``; see
       `pallasopt.kernels.use_impl`.
@@ -99,7 +101,7 @@ def rmsprop(
     ValueError: a concrete hyperparameter out of range or NaN, an unknown
       ``state_format`` or rounding; at update time, mismatched trees.
   """
-  v.check_hyperparameter(_OWNER, "learning_rate", learning_rate)
+  v.check_finite(_OWNER, "learning_rate", learning_rate)
   v.check_hyperparameter(_OWNER, "decay", decay, high=1.0, high_inclusive=False)
   v.check_hyperparameter(_OWNER, "eps", eps)
   if momentum is not None:

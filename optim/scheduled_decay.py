@@ -8,11 +8,13 @@ builds the same link, so the opt_state tree (and a checkpoint) is eFormer's.
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from pallasopt.optim._types import MaskOrFn
 
 __all__ = [
     "OptaxScheduledWeightDecayState",
@@ -31,7 +33,7 @@ class OptaxScheduledWeightDecayState(NamedTuple):
 
 def add_scheduled_weight_decay(
     schedule_fn: Callable[[jax.Array], jax.Array],
-    mask: Any | Callable[[optax.Params], Any] | None = None,
+    mask: MaskOrFn = None,
 ) -> optax.GradientTransformation:
   r"""Adds ``schedule_fn(count) * params`` to the updates.
 

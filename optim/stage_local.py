@@ -45,6 +45,7 @@ from pallasopt.kernels import quant
 from pallasopt.optim import _validation as v
 from pallasopt.optim import white_kron
 from pallasopt.optim._base import FusedGradientTransformation, advance_schedule
+from pallasopt.optim._types import Numeric
 from pallasopt.optim.scheduled_decay import (
     OptaxScheduledWeightDecayState,
     add_scheduled_weight_decay,
@@ -160,7 +161,7 @@ class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
       learning_rate_fn: optax.Schedule | None = None,
       delete_grads: bool = False,
       axis_name: AxisName | None = None,
-      global_grad_norm: jax.typing.ArrayLike | None = None,
+      global_grad_norm: Numeric | None = None,
       stacked_spec: Sequence[AxisName | None] | None = None,
   ) -> tuple[optax.Params, optax.OptState]:
     """Updates the params this stage holds from its own gradients.

@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -55,6 +54,7 @@ from pallasopt.kernels import white_kron as wk
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import FusedGradientTransformation, chained_transformation
+from pallasopt.optim._types import MaskOrFn, ScalarOrSchedule
 
 __all__ = [
     "DenseState",
@@ -578,11 +578,11 @@ def _optimizer(style: str):
   scale = scale_by_quad if style == "QUAD" else scale_by_skew
 
   def optimizer(
-      learning_rate: optax.ScalarOrSchedule = 0.001,
+      learning_rate: ScalarOrSchedule = 0.001,
       lr_style: str | None = "adam",
       b1: float = 0.95,
       weight_decay: float = 0.1,
-      weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+      weight_decay_mask: MaskOrFn = None,
       normalize_grads: bool = False,
       max_size_dense: int = 16384,
       preconditioner_lr: float = 0.7,
@@ -599,8 +599,8 @@ def _optimizer(style: str):
       impl: str = "auto",
   ) -> FusedGradientTransformation:
     owner = f"{_OWNER}.{style.lower()}"
-    v.check_hyperparameter(owner, "learning_rate", learning_rate)
-    v.check_hyperparameter(owner, "weight_decay", weight_decay)
+    v.check_finite(owner, "learning_rate", learning_rate)
+    v.check_finite(owner, "weight_decay", weight_decay)
     scaling = scale(
         lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr,
         preconditioner_init_scale, dtype, scanned_layers, block_size, pipeline_axis_name,

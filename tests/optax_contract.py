@@ -260,17 +260,24 @@ class DropInContract:
   @pytest.mark.parametrize(
       "kwargs,match",
       [
-          ({"learning_rate": -1.0}, r"learning_rate must be in \[0.0, inf\]"),
+          ({"learning_rate": float("inf")}, "learning_rate must be a finite number"),
           ({"learning_rate": float("nan")}, "learning_rate"),
           ({"b1": 1.0}, r"b1 must be in \[0.0, 1.0\)"),
           ({"b2": -0.1}, "b2"),
-          ({"weight_decay": -0.1}, "weight_decay"),
+          ({"weight_decay": float("nan")}, "weight_decay must be a finite number"),
           ({"impl": "cuda"}, "impl must be one of"),
       ],
   )
   def test_bad_hyperparameters_are_rejected(self, kwargs, match):
     with pytest.raises(ValueError, match=match):
       self.ours(**{"learning_rate": 1e-3, **kwargs})
+
+  def test_negative_rates_ascend_like_optax(self):
+    # Optax takes rates of either sign (a negative learning rate ascends).
+    kwargs = dict(learning_rate=-1e-2, weight_decay=-0.05)
+    with use_impl("interpret"):
+      got = jax.jit(lambda p: _run(self.ours(**kwargs), p, 2, True))(params_tree())
+    assert_trees_close(got, _run(self.theirs(**kwargs), params_tree(), 2, False))
 
   @pytest.mark.parametrize("mu_dtype", [jnp.float16, jnp.complex64])
   def test_any_mu_dtype_optax_takes_is_taken(self, mu_dtype):
@@ -285,7 +292,7 @@ class DropInContract:
     params = params_tree()
     state = tx.init(params)
     missing = {"dense": params["dense"]}
-    with pytest.raises(ValueError, match=r"missing in grads: \[\"\['scale'\]\"\]"):
+    with pytest.raises(ValueError, match=r"missing in grads: \['scale'\]\.?$"):
       tx.update(missing, state, params)
     wrong = {**params, "dense": {**params["dense"], "b": jnp.ones((8,))}}
     with pytest.raises(ValueError, match=r"grads\['dense'\]\['b'\] has shape \(8,\)"):

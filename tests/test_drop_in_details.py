@@ -1,0 +1,116 @@
+"""What someone switching from Optax meets first: rates of either sign, readable
+signatures, error messages, and stochastic rounding that happens or fails loudly."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pallasopt
+from helpers import assert_trees_close, step_grads
+
+_DROP_INS = ["adamw", "nadamw", "lion", "rmsprop", "adafactor", "muon", "mars", "kron",
+             "quad", "skew"]
+# (ours, Optax's) for the drop-ins whose reference Optax ships.
+_OPTAX_PAIRS = {
+    "adamw": optax.adamw,
+    "nadamw": optax.nadamw,
+    "lion": optax.lion,
+    "rmsprop": optax.rmsprop,
+    "adafactor": optax.adafactor,
+    "muon": optax.contrib.muon,
+}
+
+
+def _params():
+  rng = np.random.default_rng(0)
+  return {"w": jnp.asarray(rng.standard_normal((16, 32)), jnp.float32),
+          "b": jnp.asarray(rng.standard_normal((32,)), jnp.float32)}
+
+
+@pytest.mark.parametrize("name", sorted(_OPTAX_PAIRS))
+def test_negative_rates_step_like_optax(name):
+  # Optax takes a learning rate (and a decay rate) of either sign: a negative
+  # rate ascends. Ours must too, with Optax's numbers.
+  decay = {"rmsprop": {}, "adafactor": {"weight_decay_rate": -0.05}}.get(
+      name, {"weight_decay": -0.05})
+  ours = getattr(pallasopt.optim, name)(-1e-2, impl="xla", **decay)
+  theirs = _OPTAX_PAIRS[name](-1e-2, **decay)
+  params = _params()
+  grads = step_grads(params, 0)
+  got = jax.jit(ours.update)(grads, ours.init(params), params)
+  want = theirs.update(grads, theirs.init(params), params)
+  assert_trees_close(got[0], want[0])
+
+
+@pytest.mark.parametrize("name", ["mars", "kron", "quad", "skew"])
+def test_negative_learning_rate_negates_the_update(name):
+  # No Optax reference here: the update is -lr times a preconditioned
+  # direction that does not depend on lr, so lr -> -lr negates it exactly.
+  make = getattr(pallasopt.optim, name)
+  params = _params()
+  grads = step_grads(params, 0)
+
+  def update(lr):
+    tx = make(lr, impl="xla")
+    return tx.update(grads, tx.init(params), params)[0]
+
+  up, down = jax.jit(lambda: (update(1e-2), update(-1e-2)))()
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(down[k]), -np.asarray(up[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("name", _DROP_INS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_learning_rate_is_named(name, bad):
+  with pytest.raises(ValueError, match="learning_rate must be a finite number"):
+    getattr(pallasopt.optim, name)(bad)
+
+
+@pytest.mark.parametrize("name", _DROP_INS)
+def test_signature_names_its_types_as_optax_does(name):
+  # help() and IDEs show the aliases' names, not their expanded unions.
+  signature = inspect.signature(getattr(pallasopt.optim, name))
+  assert "Union[" not in str(signature)
+  assert "ScalarOrSchedule" in str(signature.parameters["learning_rate"])
+
+
+def test_type_aliases_stand_for_optax_types():
+  assert pallasopt.optim.ScalarOrSchedule.__value__ == optax.ScalarOrSchedule
+  assert pallasopt.optim.Numeric.__value__ == jax.typing.ArrayLike
+
+
+def test_tree_mismatch_prints_paths_as_keystr():
+  tx = pallasopt.optim.adamw(1e-3, impl="xla")
+  params = _params()
+  with pytest.raises(ValueError) as info:
+    tx.update({"w": params["w"]}, tx.init(params), params)
+  assert "missing in grads: ['b']" in str(info.value)
+  assert '"' not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "rmsprop", "mars"])
+def test_stochastic_param_rounding_on_the_update_path_is_an_error(name):
+  # update returns updates; optax.apply_updates would round bf16 params to
+  # nearest, so the rounding asked for cannot happen there: it must say so.
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
+  grads = step_grads(params, 0)
+  tx = getattr(pallasopt.optim, name)(1e-2, param_rounding="stochastic", impl="xla")
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"param_rounding='stochastic'.*apply_gradients"):
+    tx.update(grads, state, params)
+  with pytest.raises(ValueError, match=r"leaf\['b'\] is bfloat16"):
+    pallasopt.optim.apply_gradients(optax.chain(tx), params, grads, (state,))
+  # The fused apply rounds stochastically: some params land on the farther
+  # neighbour, so they differ from round-to-nearest's.
+  sr, _ = jax.jit(tx.apply_gradients)(params, grads, state)
+  nearest = getattr(pallasopt.optim, name)(1e-2, impl="xla")
+  rn, _ = jax.jit(nearest.apply_gradients)(params, grads, nearest.init(params))
+  assert not np.array_equal(np.asarray(sr["w"], np.float32), np.asarray(rn["w"], np.float32))
+  # f32 params: the option changes nothing, and update works.
+  f32 = _params()
+  u, _ = tx.update(step_grads(f32, 0), tx.init(f32), f32)
+  assert u["w"].dtype == jnp.float32
