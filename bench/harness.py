@@ -977,9 +977,8 @@ def banner(env: Environment, kernel_impls: Sequence[str]) -> str:
       )
     else:
       lines.append(
-          "CPU: Pallas kernels would only run interpreted here and are NOT timed. "
-          "The pallasopt rows time their XLA reference path (what impl='auto' runs on a CPU): "
-          "this measures fusion and bytes moved on this CPU, not the Pallas kernels."
+          "CPU: every row times XLA's CPU code for its path (pallasopt's XLA reference, what "
+          "impl='auto' runs here; Pallas kernels are NOT timed): no speed claim for a GPU or TPU."
       )
   return "\n".join(lines)
 
@@ -1118,11 +1117,13 @@ def run(
       if resume and r.get("key") in keys and not r.get("error") and _current(r, env)
   }
   todo = [c for c in configs if c[-1] not in done]
-  _progress(banner(env, kernel_impls))
+  # The banner heads stdout once (the table follows at the end), as in the .md.
+  print(banner(env, kernel_impls) + "\n", file=stream, flush=True)
   _progress(
       f"{len(configs)} configuration(s) selected, {len(configs) - len(todo)} already in {out_path} "
       f"(reused: measured at commit {env.git_commit[:12]} with jax {env.versions['jax']} on "
       f"{env.device_kind}), {len(todo)} to measure"
+      + (f"; {_FRESH_HINT}" if done else "")
   )
 
   ceilings: dict[str, dict] = {}
@@ -1186,13 +1187,20 @@ def run(
 
   records = [done[c[-1]] for c in configs if c[-1] in done]
   _attach_ratios(records)
-  table = banner(env, kernel_impls) + "\n\n" + format_table(records)
+  table = format_table(records)
   print(table, file=stream, flush=True)
-  out_path.with_suffix(".md").write_text(table + "\n")
-  _progress(f"wrote {out_path} ({len(todo)} new record(s))")
+  out_path.with_suffix(".md").write_text(banner(env, kernel_impls) + "\n\n" + table + "\n")
+  reused = len(records) - len(todo)
+  _progress(
+      f"wrote {out_path} ({len(todo)} new record(s)"
+      + (f", {reused} reused from an earlier run; {_FRESH_HINT})" if reused else ")")
+  )
   _progress(f"wrote {out_path.with_suffix('.md')}")
   _progress(_write_plot(records, out_path.with_suffix(".png")))
   return records
+
+
+_FRESH_HINT = "--no-resume measures them again"
 
 
 def _current(record: dict, env: Environment) -> bool:

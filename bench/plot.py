@@ -1,15 +1,16 @@
-"""``python -m bench.plot``: achieved bandwidth (or compute) against size, as a PNG.
+"""``python -m bench.plot``: each case's speed against Optax, as a PNG.
 
   python -m bench.plot                                  # every JSONL of this device
   python -m bench.plot --in bench/results/nvidia-h100-80gb-hbm3/kernels-full.jsonl
 
-One panel per optimizer family. The y-axis is the % of the datasheet peak
-when the device has one, else GB/s (TFLOP/s for compute-bound families). Each
-implementation (``impl[kernel]``) has its own colour; single-leaf sweeps are
-lines over the parameter count, one line style and marker per dtype series; realistic
-trees are single markers at their parameter count. The grey lines are the
-ceilings measured in the same run (copy stream; matmul per compute dtype).
-Interpreted rows are never drawn.
+One panel per optimizer family. Each bar is one timed implementation of one
+case (``workload label``, e.g. ``leaf f32/1048576/state-int8``: the state
+format is in the label, so a family's rows are grouped by it), its length the
+ratio of the case's baseline time (jitted Optax, or the family's XLA
+reference) to its own: right of the line at 1.0 is faster than Optax, left
+is slower. The baseline's own rows (1.0 by definition), failed and
+interpreted rows are not drawn. On a CPU the title says what the rows are:
+XLA's CPU code for each path, no speed claim for a GPU or TPU.
 Needs matplotlib (the ``bench`` extra).
 """
 
@@ -18,24 +19,21 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-from collections import defaultdict
 from collections.abc import Sequence
 
 from bench import harness
 
-_STYLES = ("-", "--", ":", "-.")
-_LEAF_MARKERS = (".", "x", "+", "1")
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_FASTER, _SLOWER = "#2a9d57", "#c8553d"
 
 
-def series(record: dict) -> str:
-  """A record's label without its size: one line per dtype series."""
+def _size_free_label(record: dict) -> str:
+  """A record's label without its size, so one series' sizes sort together."""
   size = str(record["params"])
-  return "/".join(p for p in record["label"].split("/") if p != size) or "-"
+  return "/".join(p for p in record["label"].split("/") if p != size)
 
 
-def _y(record: dict, use_peak: bool) -> float | None:
-  return record.get("peak_pct") if use_peak else record.get("achieved")
+def _bar_label(record: dict) -> str:
+  return f"{record['workload']} {record['label']} · {record['impl']}[{record['kernel']}]"
 
 
 def plot(records: Sequence[dict], out: str | pathlib.Path, title: str | None = None) -> pathlib.Path:
@@ -45,69 +43,50 @@ def plot(records: Sequence[dict], out: str | pathlib.Path, title: str | None = N
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
-  rows = [r for r in records if not r.get("error") and r.get("achieved") is not None]
+  rows = [
+      r for r in records
+      if not r.get("error") and r.get("vs_baseline") is not None and r["impl"] != r.get("baseline")
+  ]
   if not rows:
-    raise ValueError("no timed (non-interpreted, successful) records to plot")
-  families = sorted({r["family"] for r in rows})
-  use_peak = all(r.get("peak_pct") is not None for r in rows)
+    raise ValueError("no timed (non-interpreted, successful) records with a baseline to plot")
+  families = list(dict.fromkeys(r["family"] for r in rows))  # in sweep order
+  by_family = {f: sorted((r for r in rows if r["family"] == f),
+                         key=lambda r: (r["workload"], _size_free_label(r), r["params"], r["impl"]))
+                for f in families}
+  heights = [len(by_family[f]) for f in families]
   fig, axes = plt.subplots(
-      len(families), 1, figsize=(13, 4.6 * len(families)), squeeze=False, constrained_layout=True
+      len(families), 1, figsize=(11, 1.0 + 0.24 * sum(heights) + 0.7 * len(families)),
+      squeeze=False, constrained_layout=True, gridspec_kw={"height_ratios": heights},
   )
-  impls = sorted({f"{r['impl']}[{r['kernel']}]" for r in rows})
-  colour = {name: f"C{i % 10}" for i, name in enumerate(impls)}
+  largest = max(max(r["vs_baseline"] for r in rows), 1.0)
   for ax, family in zip(axes[:, 0], families):
-    mine = [r for r in rows if r["family"] == family]
-    metric = mine[0].get("metric", "bandwidth")
-    unit = "TFLOP/s" if metric == "compute" else "GB/s"
-    leaf_lines: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
-    trees: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
-    for r in mine:
-      name = f"{r['impl']}[{r['kernel']}]"
-      target = leaf_lines if r["workload"] == "leaf" else trees
-      sub = series(r) if r["workload"] == "leaf" else f"{r['workload']} {series(r)}"
-      target[(name, sub)].append((r["params"], _y(r, use_peak)))
-    leaf_series = sorted({s for _, s in leaf_lines})
-    for (name, sub), points in sorted(leaf_lines.items()):
-      xs, ys = zip(*sorted(points))
-      i = leaf_series.index(sub)
-      ax.plot(xs, ys, _STYLES[i % len(_STYLES)], color=colour[name],
-              marker=_LEAF_MARKERS[i % len(_LEAF_MARKERS)], label=f"{name} leaf {sub}")
-    tree_names = sorted({s for _, s in trees})
-    for (name, sub), points in sorted(trees.items()):
-      xs, ys = zip(*points)
-      ax.scatter(xs, ys, color=colour[name], marker=_MARKERS[tree_names.index(sub) % len(_MARKERS)],
-                 s=60, edgecolors="black", linewidths=0.5, label=f"{name} {sub}", zorder=3)
-    ceilings = {c["name"]: c for r in mine if (c := r.get("ceiling"))}
-    for i, ceiling in enumerate(ceilings.values()):
-      value = ceiling.get("tflops" if metric == "compute" else "gbps")
-      peak = (mine[0].get("datasheet") or {}).get("bf16_tflops" if metric == "compute" else "gbps")
-      if use_peak and peak:
-        value = 100 * value / peak
-      ax.axhline(value, color="grey", linestyle=_STYLES[i % len(_STYLES)], linewidth=1,
-                 label=f"measured {harness.ceiling_label(ceiling)}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("parameters")
-    ax.set_ylabel(f"% of datasheet peak ({unit})" if use_peak else f"achieved {unit} (floor bytes / time)")
-    if use_peak:
-      ax.set_ylim(0, 105)
-    else:
-      ax.set_ylim(bottom=0)
-    ax.set_title(f"{family}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    mine = by_family[family]
+    ratios = [r["vs_baseline"] for r in mine]
+    ys = range(len(mine))
+    ax.barh(ys, ratios, color=[_FASTER if x >= 1 else _SLOWER for x in ratios], height=0.7)
+    for y, x in zip(ys, ratios):
+      ax.text(x, y, f" {x:.2f}x", va="center", fontsize=7)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_yticks(list(ys), [_bar_label(r) for r in mine], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.15 * largest)
+    baselines = sorted({r["baseline"] for r in mine})
+    ax.set_title(f"{family}: speed vs {', '.join(baselines)} (baseline time / this time)",
+                 fontsize=9, loc="left")
+    ax.grid(True, axis="x", alpha=0.3)
+  axes[-1, 0].set_xlabel("x faster than the baseline (1.0 = same time)")
   first = rows[0]
-  timings = "/".join(sorted({r.get("timing", "?") for r in rows}))
   where = (
-      "CPU: XLA paths only, not Pallas kernel speeds" if first.get("platform") == "cpu"
-      else f"timing {timings}"
+      "CPU: XLA's CPU code for each path, no GPU/TPU speed claim" if first.get("platform") == "cpu"
+      else "timing " + "/".join(sorted({r.get("timing", "?") for r in rows}))
   )
   fig.suptitle(title or (
-      f"{first['device_kind']} | jax {first.get('jax')} | commit {str(first.get('git_commit'))[:10]} | "
-      f"{where}"
+      f"{first['device_kind']} | jax {first.get('jax')} | commit {str(first.get('git_commit'))[:10]}"
+      f" | {where}"
   ), fontsize=10)
   out = pathlib.Path(out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(out, dpi=120)
+  fig.savefig(out, dpi=110)
   plt.close(fig)
   return out
 

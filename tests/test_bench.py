@@ -76,6 +76,9 @@ def test_resume_skips_measured_configurations(ci_results, capsys):
   again, out, err = _run(["--filter", CI_FILTER, "--out", str(path)], capsys)
   assert path.read_text() == before
   assert "4 already in" in err and "0 to measure" in err
+  # It says so, and how to start fresh, before measuring and when done.
+  assert err.count("--no-resume measures them again") == 2
+  assert "0 new record(s), 4 reused from an earlier run" in err
   assert [r["key"] for r in again] == [r["key"] for r in records]
   assert "| adamw/decoder-tiny-stacked2x2/mixed/mu-f32 | pallasopt.fused | xla |" in out
 
@@ -99,8 +102,11 @@ def test_every_file_written_is_named(ci_results, capsys):
 
 def test_table_says_what_was_timed(ci_results, capsys):
   path, _ = ci_results
-  _, out, _ = _run(["--filter", CI_FILTER, "--out", str(path)], capsys)
-  assert "Pallas kernels would only run interpreted here and are NOT timed" in out
+  _, out, err = _run(["--filter", CI_FILTER, "--out", str(path)], capsys)
+  # The banner once, with the one line that says what CPU rows are, then the table.
+  (cpu_line,) = [line for line in out.splitlines() if line.startswith("CPU:")]
+  assert "Pallas kernels are NOT timed" in cpu_line and "no speed claim for a GPU or TPU" in cpu_line
+  assert out.count("device: ") == 1 and "device: " not in err
   assert "| case | impl | kernel | median ms |" in out
   assert path.with_suffix(".md").read_text().strip() == out.strip()
 
@@ -110,6 +116,22 @@ def test_plot_writes_a_png(ci_results, tmp_path):
   path, _ = ci_results
   png = plot.main(["--in", str(path), "--out", str(tmp_path / "bench.png")])[0]
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_one_bar_per_timed_row_at_its_ratio(ci_results, monkeypatch, tmp_path):
+  # What a person reads: each non-baseline row's speed vs Optax, by case.
+  matplotlib = pytest.importorskip("matplotlib")
+  matplotlib.use("Agg")
+  from matplotlib import pyplot  # noqa: PLC0415
+  path, records = ci_results
+  drawn = []
+  monkeypatch.setattr(pyplot, "close", lambda fig: drawn.append(fig))
+  plot.plot(records, tmp_path / "ratios.png")
+  (ax,) = drawn[0].axes
+  bars = {t.get_text(): p.get_width() for t, p in zip(ax.get_yticklabels(), ax.patches)}
+  want = {f"{r['workload']} {r['label']} · {r['impl']}[{r['kernel']}]": r["vs_baseline"]
+          for r in records if r["impl"] != "optax" and r["vs_baseline"] is not None}
+  assert bars == pytest.approx(want), (bars, want)
 
 
 def test_interpreted_rows_carry_no_speed(tmp_path, capsys):
