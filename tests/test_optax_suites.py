@@ -7,11 +7,21 @@ Generated at run time from the installed optax (`optax_suites.load_suite`):
 * ``optax.contrib._muon_test.MuonTest``;
 * ``optax.contrib._common_test.ContribTest``, the muon rows.
 
-Each runs three times: against Optax itself (so a broken generator cannot
-pass), and with pallasopt's drop-ins under ``impl="xla"`` and under
+Each runs with pallasopt's drop-ins under ``impl="xla"`` and under
 ``impl="interpret"`` (the Pallas kernels in the interpreter). All must pass.
+The generator is checked below (the suites are not empty, the substitution
+reaches the generated module); running them against Optax itself is Optax's
+own CI, not ours.
+
+Under ``"interpret"``, ``ContribTest.test_optimizers`` (hundreds of Muon
+steps on a toy problem, checking that the loss falls) is left to the
+``"xla"`` run: each of those steps interprets Newton–Schulz grid step by
+grid step (~20 s a case), while the interpreted kernel's equality with the
+reference is tested call by call in ``test_newton_schulz_kernel.py`` and
+over fused Muon steps in ``test_muon_optax.py``.
 """
 
+import re
 import unittest
 
 import pytest
@@ -37,15 +47,16 @@ _SUITES = {
         {"contrib": {"muon": pallasopt.optim.muon}},
     ),
 }
-# None: Optax itself, no substitution.
-_IMPLS = (None, "xla", "interpret")
+_IMPLS = ("xla", "interpret")
+# (suite, impl) -> the test methods (parameterized copies included) left to
+# the "xla" run (module doc).
+_LEFT_TO_XLA = {("contrib_muon", "interpret"): re.compile(r"test_optimizers\d*")}
 
 
-def _suite_class(suite: str, impl: str | None) -> type[unittest.TestCase]:
+def _suite_class(suite: str, impl: str) -> type[unittest.TestCase]:
   module_name, rows, class_name, overrides = _SUITES[suite]
   module = load_suite(
-      module_name, keep_opt_names=rows, keep_classes=(class_name,),
-      overrides={} if impl is None else overrides,
+      module_name, keep_opt_names=rows, keep_classes=(class_name,), overrides=overrides,
   )
   base = getattr(module, class_name)
 
@@ -53,10 +64,13 @@ def _suite_class(suite: str, impl: str | None) -> type[unittest.TestCase]:
 
     def setUp(self):
       super().setUp()
-      if impl is not None:
-        self.enterContext(use_impl(impl))
+      self.enterContext(use_impl(impl))
 
-  Suite.__name__ = Suite.__qualname__ = f"Test_{suite}_{impl or 'optax'}"
+  left_out = _LEFT_TO_XLA.get((suite, impl))
+  for name in unittest.TestLoader().getTestCaseNames(base):
+    if left_out is not None and left_out.fullmatch(name):
+      setattr(Suite, name, None)  # unittest collects only callables
+  Suite.__name__ = Suite.__qualname__ = f"Test_{suite}_{impl}"
   Suite.__module__ = __name__
   return Suite
 
