@@ -9,7 +9,7 @@ Pallas, or silently compute something meaningless.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -36,9 +36,9 @@ def check_same_tree(owner: str, name: str, tree: Any, ref_name: str, ref_tree: A
     want = {p for p, _ in keyed_leaves(ref_tree)}
     details = []
     if want - got:
-      details.append(f"missing in {name}: {_path_list(want - got)}")
+      details.append(f"missing in {name}: {path_list(want - got)}")
     if got - want:
-      details.append(f"unexpected in {name}: {_path_list(got - want)}")
+      details.append(f"unexpected in {name}: {path_list(got - want)}")
     raise ValueError(
         f"{owner}: {name} must have the same tree structure as {ref_name}. "
         + ("; ".join(details) if details else f"{name}: {struct}; {ref_name}: {ref_struct}")
@@ -51,8 +51,10 @@ def check_same_tree(owner: str, name: str, tree: Any, ref_name: str, ref_tree: A
       )
 
 
-def _path_list(paths: set[str], most: int = 5) -> str:
-  """Key paths as `jax.tree_util.keystr` writes them, the first `most` of them."""
+def path_list(paths: Iterable[str], most: int = 5) -> str:
+  """Key paths (`jax.tree_util.keystr` strings) for a message: the first
+  `most` in sorted order, comma-separated, as keystr writes them."""
+  paths = set(paths)
   shown = sorted(paths)[:most]
   more = f" and {len(paths) - most} more" if len(paths) > most else ""
   return ", ".join(shown) + more

@@ -326,7 +326,7 @@ def _path_mismatch(params: Any, grads: Any) -> str:
   missing = [p for p in param_paths if not any(covers(g, p) for g in grad_paths)]
   unexpected = [g for g in grad_paths if not any(covers(g, p) for p in param_paths)]
   details = [
-      f"{what} in grads: {[jax.tree_util.keystr(p) for p in paths[:5]]}"
+      f"{what} in grads: {v.path_list(map(jax.tree_util.keystr, paths))}"
       for what, paths in (("missing", missing), ("unexpected", unexpected))
       if paths
   ]

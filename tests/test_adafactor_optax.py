@@ -310,12 +310,12 @@ def test_stacked_axes_zero_factors_stacking_axes_like_optax():
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        ({"learning_rate": -1.0}, ValueError, r"learning_rate must be in \[0.0, inf\]"),
+        ({"learning_rate": float("inf")}, ValueError, "learning_rate must be a finite number"),
         ({"decay_rate": float("nan")}, ValueError, "decay_rate"),
         ({"momentum": 1.5}, ValueError, r"momentum must be in \[0.0, 1.0\]"),
         ({"eps": -1e-8}, ValueError, "eps"),
         ({"clipping_threshold": -1.0}, ValueError, "clipping_threshold"),
-        ({"weight_decay_rate": -0.1}, ValueError, "weight_decay_rate"),
+        ({"weight_decay_rate": float("nan")}, ValueError, "weight_decay_rate must be a finite"),
         ({"min_dim_size_to_factor": -1}, ValueError, "min_dim_size_to_factor must be an int >= 0"),
         ({"min_dim_size_to_factor": 1.5}, ValueError, "min_dim_size_to_factor must be an int"),
         ({"stacked_axes": -1}, ValueError, "stacked_axes must be an int >= 0"),
@@ -342,7 +342,7 @@ def test_mismatched_grads_and_state_name_the_leaf():
   tx = _xla(learning_rate=1e-1, min_dim_size_to_factor=8)
   params = _params()
   state = tx.init(params)
-  with pytest.raises(ValueError, match=r"missing in grads: \[\"\['stack'\]\"\]"):
+  with pytest.raises(ValueError, match=r"missing in grads: \['stack'\]"):
     tx.update({k: v for k, v in params.items() if k != "stack"}, state, params)
   wrong = {**params, "dense": {**params["dense"], "b": jnp.ones((8,))}}
   with pytest.raises(ValueError, match=r"grads\['dense'\]\['b'\] has shape \(8,\)"):

@@ -47,9 +47,20 @@ def _close(a, b):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
-@pytest.mark.parametrize("name", list(_OPTIMIZERS))
-@pytest.mark.parametrize("impl", ["auto", "interpret"])
+# Families whose kernel is not elementwise run it on gathered operands under
+# a kernel impl, by the same code whatever the axis type; Adafactor keeps that
+# path covered under Auto axes, so Muon and Kron (8 s of compiles) run it
+# under Explicit axes only. Under "auto" every family runs on both.
+_SHARDED_CASES = [
+    (impl, name, axis_type)
+    for impl in ("auto", "interpret")
+    for name in _OPTIMIZERS
+    for axis_type in ("explicit", "auto")
+    if not (impl == "interpret" and name in ("muon", "kron") and axis_type == "auto")
+]
+
+
+@pytest.mark.parametrize("impl,name,axis_type", _SHARDED_CASES)
 def test_sharded_steps_equal_the_unsharded_steps(name, axis_type, impl):
   # The README's sharding example: jax.make_mesh (Explicit axes by default).
   axis_types = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[axis_type]
@@ -213,7 +224,7 @@ def test_structural_errors_name_the_argument_and_leaf():
   params = {"w": jnp.ones((4, 4)), "b": jnp.ones((3,))}
   tx = pallasopt.optim.muon(1e-2)
   with pytest.raises(ValueError, match=r"muon: grads must have the same tree structure as "
-                                       r"opt_state mu. missing in grads: \[\"\['b'\]\"\]"):
+                                       r"opt_state mu. missing in grads: \['b'\]"):
     tx.update({"w": jnp.ones((4, 4))}, tx.init(params))
   stacked = {"w": jnp.ones((2, 4, 4)), "gate": jnp.ones((2, 1))}
   for make in (lambda: pallasopt.optim.adafactor(1e-2, stacked_axes=1),

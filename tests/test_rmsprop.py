@@ -97,9 +97,24 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(
-    f"{k}={v}" for k, v in c.items() if v not in (None, False)) or "plain")
+# Under "interpret", a pairwise covering of the options (every value of every
+# pair of options in some config): the kernel equals the reference in every
+# combination (test_kernel_equals_reference_over_steps draws them all), and
+# the reference equals Optax in every config under "xla".
+_PAIRWISE = [
+    dict(centered=c, momentum=m, nesterov=n, bias_correction=b, eps_in_sqrt=e)
+    for c, m, n, b, e in [
+        (False, None, False, False, False), (False, 0.9, True, True, False),
+        (True, None, False, True, True), (True, 0.9, True, False, True),
+        (True, 0.9, False, True, False), (False, 0.9, False, False, True),
+    ]
+]
+
+
+@pytest.mark.parametrize("config,impl", [(c, "xla") for c in CONFIGS] + [
+    (c, "interpret") for c in _PAIRWISE
+], ids=lambda x: x if isinstance(x, str) else "-".join(
+    f"{k}={v}" for k, v in x.items() if v not in (None, False)) or "plain")
 def test_drop_in_equals_optax(config, impl):
   # Same state tree and, over steps of a schedule, the same params and state
   # (the float16 leaf runs Optax's own math, as any dtype no kernel takes).
