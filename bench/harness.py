@@ -61,7 +61,7 @@ For anything else build `Case` directly. The contract:
   the dtype of the largest floating leaf of the consts, i.e. the grads).
 * ``Case.key`` (``family/workload/label``) must be unique. For single leaves
   (``workload="leaf"``) put the size in the label as its own ``/`` part
-  (``"f32/1048576"``): `bench.plot` draws one line per label without it.
+  (``"f32/1048576"``): `bench.plot` orders a series' rows by it.
 * Tiers: ``ci`` runs in the test suite (seconds); ``quick`` is
   ``python -m bench``, whose whole run must stay well under a minute on a
   2-core CPU, so keep it to a few small cases (a few seconds of CPU, compiles
@@ -1118,7 +1118,8 @@ def run(
   }
   todo = [c for c in configs if c[-1] not in done]
   # The banner heads stdout once (the table follows at the end), as in the .md.
-  print(banner(env, kernel_impls) + "\n", file=stream, flush=True)
+  header = banner(env, kernel_impls)
+  print(header + "\n", file=stream, flush=True)
   _progress(
       f"{len(configs)} configuration(s) selected, {len(configs) - len(todo)} already in {out_path} "
       f"(reused: measured at commit {env.git_commit[:12]} with jax {env.versions['jax']} on "
@@ -1189,7 +1190,7 @@ def run(
   _attach_ratios(records)
   table = format_table(records)
   print(table, file=stream, flush=True)
-  out_path.with_suffix(".md").write_text(banner(env, kernel_impls) + "\n\n" + table + "\n")
+  out_path.with_suffix(".md").write_text(header + "\n\n" + table + "\n")
   reused = len(records) - len(todo)
   _progress(
       f"wrote {out_path} ({len(todo)} new record(s)"
