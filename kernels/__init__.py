@@ -39,11 +39,9 @@ from pallasopt.kernels import (
 )
 from pallasopt.kernels._dispatch import (
     IMPLS,
-    PLATFORMS,
     Impl,
     lowering_platforms,
     resolve_impl,
-    target_platforms,
     use_impl,
 )
 from pallasopt.kernels._tiling import TilePlan, plan_tiles
@@ -84,8 +82,6 @@ __all__ = [
     "resolve_impl",
     "use_impl",
     "lowering_platforms",
-    "target_platforms",
-    "PLATFORMS",
     "TilePlan",
     "plan_tiles",
     # Family modules.

@@ -1,15 +1,23 @@
 """Version-sensitive JAX and Pallas imports, in one place.
 
 pallasopt supports jax >= 0.10, < 0.13. Names that moved between those
-releases are resolved here so the kernels import one stable spelling.
+releases are resolved here so the kernels import one stable spelling, and
+the few JAX internals the lowering-time dispatch needs (`_by_target`) are
+reached only from here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
 
 import jax
+from jax._src import api_util
+from jax._src import config as jax_config
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core as jex_core
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
@@ -26,7 +34,9 @@ __all__ = [
     "TPUCompilerParams",
     "TritonCompilerParams",
     "shard_map",
-    "lowering_platform",
+    "trace_to_closed_jaxpr",
+    "trace_context",
+    "use_abstract_device",
     "compiler_params",
     "mosaic_gpu_interpret",
     "explicit_spec",
@@ -92,28 +102,30 @@ else:  # pragma: no cover - jax < 0.10 is outside the supported range.
   from jax.experimental.shard_map import shard_map  # type: ignore[no-redef]
 
 
-_DEVICE_KIND = {"tpu": "TPU v5 lite", "cuda": "NVIDIA H100 80GB HBM3"}
+def trace_to_closed_jaxpr(fn: Callable[..., Any], avals: Sequence[Any]):
+  """``fn``'s closed jaxpr for operands of these abstract values.
+
+  Unlike `jax.make_jaxpr`, the values keep everything their type carries
+  (weak types, shardings, varying manual axes).
+  """
+  debug = api_util.debug_info("pallasopt", fn, tuple(avals), {})
+  jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=debug), list(avals))
+  return jex_core.ClosedJaxpr(jaxpr, consts)
+
+
+def trace_context() -> Hashable:
+  """The configuration a trace depends on, as `jax.jit` keys its cache on it."""
+  return jax_config.trace_context()
 
 
 @contextlib.contextmanager
-def lowering_platform(platform: str) -> Iterator[None]:
-  """Context for lowering a function for `platform` from a host without it.
+def use_abstract_device(mesh, device) -> Iterator[None]:
+  """``mesh`` (an abstract mesh) with ``device`` as its device, in context.
 
-  From jax 0.11 on, Pallas reads the target device from the abstract mesh while
-  lowering; outside a real device of that kind it must be supplied. On older
-  releases this is a no-op.
-
-  Args:
-    platform: ``"tpu"`` or ``"cuda"``.
+  Pallas reads the chip it lowers for from the abstract mesh in context
+  (jax >= 0.10), falling back to the default device otherwise.
   """
-  if JAX_VERSION < (0, 11):
-    yield
-    return
-  device = jax.sharding.AbstractDevice(
-      device_kind=_DEVICE_KIND[platform], num_cores=None, platform=platform
-  )
-  mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
-  with jax.sharding.use_abstract_mesh(mesh):
+  with jax.sharding.use_abstract_mesh(mesh.update(abstract_device=device)):
     yield
 
 

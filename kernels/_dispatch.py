@@ -4,49 +4,59 @@ Every kernel family exposes a pure-jnp reference and a Pallas kernel with the
 same signature. `dispatch` turns the pair into the one function to call, from
 an ``impl`` string:
 
-* ``"auto"``: the best measured path of each *target platform*: the Mosaic
-  kernel on TPU; on CUDA GPUs the Triton kernel, or the reference for a family
-  whose Triton kernel was measured slower than XLA there
-  (``auto_on_cuda="xla"``, said in that family's docstring); the reference on
-  CPUs and anything else.
+* ``"auto"``: the best measured path of the *chip the call is compiled for*:
+  the Mosaic kernel on TPU; on CUDA GPUs the Triton kernel, or the reference
+  for a family whose Triton kernel was measured slower than XLA there
+  (``auto_on_cuda="xla"``, said in that family's docstring) or that the chip
+  cannot run (``cuda_requirement``, e.g. fp8 conversions below sm_89); the
+  reference on CPUs and anything else.
 * ``"pallas"``: the Mosaic TPU kernel on TPU, the GPU kernel on GPUs (Triton,
   or Mosaic GPU for Newton–Schulz; kernels receive ``backend="triton"`` for
-  either); a clear error on a platform Pallas cannot compile for (a CPU: use
-  ``"interpret"``).
+  either); a clear ValueError, raised when the call is lowered, on a platform
+  or chip the kernel cannot compile for (a CPU: use ``"interpret"``).
 * ``"interpret"``: the Pallas kernel run by the Pallas interpreter, on any
   backend (slow; for tests and debugging).
 * ``"xla"``: the reference only.
 
-Target platforms. Only the branches of the platforms a computation is traced
-for are traced at all, so a CPU run never traces a TPU or GPU kernel (whose
-block specs, mesh rules and trace time it would pay for nothing). The targets
-are, first to last: the innermost `lowering_platforms` block (use it to
-``jax.export`` for other platforms from this host, e.g. ``("tpu", "cuda")``
-for one artifact carrying both; several targets are chosen between by
-`jax.lax.platform_dependent` when lowered), the platform of the abstract mesh's
-device when JAX supplies one, else the platform of the default backend.
+When the choice is made. Under ``"auto"`` and ``"pallas"`` nothing is decided
+while tracing: the call traces the reference for its types and binds one
+primitive (`_by_target`) whose lowering rule picks, per platform of the
+lowering and for the device kind being compiled for (`_target.Target`), the
+kernel or the reference. So plain JAX does the right thing with no context:
+``jax.jit`` on CPU runs the reference; ``jax.export(..., platforms=["tpu"])``
+from a CPU host carries the TPU kernel; ``platforms=["cpu", "tpu", "cuda"]``
+carries each platform's choice in its branch; AOT compilation for a
+`jax.experimental.topologies` target chooses by that target's chip. An export
+for a platform with no device of it in the lowering assumes the oldest chip
+of the platform the kernels support (`_target.BASELINE_DEVICE_KIND`); name
+the chip with ``jax.sharding.use_abstract_mesh`` (see the README).
 
-Sharded operands. A ``pallas_call`` is never partitioned by XLA and may not
-be traced under a mesh whose axes are not all manual (``jax.set_mesh`` with
-Explicit or Auto axes). There, a family marked ``elementwise`` runs its kernel
-per shard inside `shard_map` (exact: every element is updated on its own),
-with each operand's own sharding; any other family runs its reference under
-``"auto"`` (XLA partitions it) and, under an explicit kernel ``impl``, its
-kernel on gathered operands. Inside `shard_map` (all axes manual) kernels run
-on the local shards as they are.
+Sharded operands. A ``pallas_call`` is never partitioned by XLA. Under a mesh
+in context whose axes are not all manual (``jax.set_mesh``), a family marked
+``elementwise`` runs per shard inside `shard_map` (exact: every element is
+updated on its own) where the operands' types carry their layout (Explicit
+axes); with Auto axes the layout is XLA's to choose, so ``"auto"`` runs the
+reference, and so does any other family under ``"auto"`` (XLA partitions
+it). An explicit kernel ``impl`` runs the kernel on gathered operands there.
+Where no mesh is in context but XLA partitions the computation (``jax.jit``
+with shardings only, the legacy ``with mesh:``), ``"auto"`` lowers the
+reference and ``"pallas"`` is a ValueError that says to use ``jax.set_mesh``.
+Inside `shard_map` (all axes manual) kernels run on the local shards as they
+are.
 
 The global default is ``"auto"``. `use_impl` overrides it for a block of code,
 the ``PALLASOPT_IMPL`` environment variable for a process (read when a kernel
 is traced: set it before the process starts); an explicit ``impl`` other than
-``"auto"`` always wins. `use_impl` and `lowering_platforms` are part of
-``jax.jit``'s cache key (`jax.make_user_context`), so a function traced under
-one choice is traced again under another: a jitted function never silently
-keeps a stale implementation.
+``"auto"`` always wins. `use_impl` is part of ``jax.jit``'s cache key
+(`jax.make_user_context`), so a function traced under one choice is traced
+again under another: a jitted function never silently keeps a stale
+implementation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -57,27 +67,27 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from pallasopt.kernels import _compat
+from pallasopt.kernels._by_target import by_target, callable_name
+from pallasopt.kernels._target import Target
 
 __all__ = [
     "Impl",
     "IMPLS",
-    "PLATFORMS",
     "use_impl",
     "resolve_impl",
     "lowering_platforms",
-    "target_platforms",
+    "CudaRequirement",
+    "FP8_REQUIREMENT",
+    "kernel_backend",
     "dispatch",
 ]
 
 Impl = Literal["auto", "pallas", "interpret", "xla"]
 IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "xla")
-# Platform names as `jax.lax.platform_dependent` and `jax.export` spell them.
-PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
 ENV_VAR = "PALLASOPT_IMPL"
 
-# Both are in jax.jit's cache key: changing either retraces.
+# In jax.jit's cache key: changing it retraces.
 _impl_override = jax.make_user_context(None)
-_platform_override = jax.make_user_context(None)
 
 
 class KernelFn(Protocol):
@@ -130,60 +140,103 @@ def resolve_impl(impl: str = "auto") -> str:
   return "auto"
 
 
-@contextlib.contextmanager
-def lowering_platforms(*platforms: str) -> Iterator[None]:
-  """Traces kernels for ``platforms`` inside the block, whatever this host is.
+def lowering_platforms(*platforms: str):
+  """Removed: the kernel is now chosen when the call is lowered.
 
-  For cross-platform export::
+  ``jax.export(..., platforms=[...])`` and AOT compilation carry each
+  target's kernels with no context; this raises a ValueError saying so.
+  """
+  raise ValueError(
+      "pallasopt.kernels.lowering_platforms was removed: kernels are chosen when a call is "
+      "lowered, for the platform and chip it is lowered for. Export with plain JAX, e.g. "
+      "jax.export.export(jax.jit(step), platforms=['tpu', 'cuda'])(*args); to name the chip "
+      "of an export, use jax.sharding.use_abstract_mesh with an AbstractDevice (README, "
+      f"'Export and AOT compilation'). Got lowering_platforms{platforms!r}."
+  )
 
-    with pallasopt.kernels.lowering_platforms("tpu", "cuda"):
-      exported = jax.export.export(jax.jit(step), platforms=["tpu", "cuda"])(*args)
+
+@dataclasses.dataclass(frozen=True)
+class CudaRequirement:
+  """What a family's GPU kernel needs of an NVIDIA chip.
+
+  Attributes:
+    supported: ``(major, minor) -> bool`` over compute capabilities.
+    needs: what is needed, for messages (``"compute capability >= 8.9 (fp8
+      conversions in Triton)"``).
+  """
+
+  supported: Callable[[tuple[int, int]], bool]
+  needs: str
+
+  def why_not(self, target: Target) -> str | None:
+    """None if ``target`` can run the kernel, else why not."""
+    if self.supported(target.cuda_capability):
+      return None
+    major, minor = target.cuda_capability
+    return f"it needs {self.needs}, and compute capability {major}.{minor} lacks it"
+
+
+# Triton converts to and from float8 only from compute capability 8.9 (Ada,
+# Hopper); on an A100 its compiler aborts the process.
+FP8_REQUIREMENT = CudaRequirement(
+    lambda capability: capability >= (8, 9),
+    "compute capability >= 8.9 (fp8 conversions in Triton)",
+)
+
+
+def kernel_backend(
+    target: Target,
+    impl: str,
+    family: str,
+    *,
+    auto_on_cuda: Literal["pallas", "xla"] = "pallas",
+    cuda_requirement: CudaRequirement | None = None,
+) -> str | None:
+  """The Pallas backend a family's kernel runs with on ``target``, or None for the reference.
+
+  The dispatch policy in one place (module docstring); raises the ValueError
+  for an ``impl="pallas"`` that ``target`` cannot take.
 
   Args:
-    platforms: names from `PLATFORMS`; with several, `impl="auto"` carries one
-      branch each and `jax.lax.platform_dependent` picks when lowering.
+    target: the lowering's platform and chip.
+    impl: ``"auto"`` or ``"pallas"``.
+    family: the kernel's name, for messages.
+    auto_on_cuda: see `dispatch`.
+    cuda_requirement: see `dispatch`.
   """
-  if not platforms or any(p not in PLATFORMS for p in platforms):
+  if target.partitioned:
+    if impl == "auto":
+      return None
     raise ValueError(
-        f"lowering_platforms(*platforms) takes names from {PLATFORMS}; got {platforms!r}."
+        f"impl='pallas': the {family} kernel cannot run where XLA's partitioner splits the "
+        "computation over several devices (jax.jit with shardings and no mesh in context, or "
+        "the legacy `with mesh:`): a Pallas call cannot be partitioned. Put the mesh in "
+        "context with jax.set_mesh(mesh) (the kernel then runs on each local shard) or call "
+        "the step inside jax.shard_map; impl='auto' runs the XLA reference there."
     )
-  platforms = tuple(dict.fromkeys(platforms))
-  with contextlib.ExitStack() as stack:
-    stack.enter_context(_platform_override(platforms))
-    if len(platforms) == 1 and platforms[0] in ("tpu", "cuda"):
-      # jax >= 0.11 reads the target device from the abstract mesh.
-      stack.enter_context(_compat.lowering_platform(platforms[0]))
-    yield
-
-
-def _backend_platform() -> str:
-  platform = jax.devices()[0].client.platform
-  return "cuda" if platform == "gpu" else platform
-
-
-def target_platforms() -> tuple[str, ...]:
-  """The platforms kernels are traced for now (see the module docstring)."""
-  scoped = _platform_override.value
-  if scoped is not None:
-    return scoped
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if device is not None and getattr(device, "platform", None) in PLATFORMS:
-    return (device.platform,)
-  return (_backend_platform(),)
-
-
-def _platform_branch(platform, impl, reference, mosaic, triton, auto_on_cuda):
-  if platform == "tpu":
-    return mosaic
-  if platform in ("cuda", "rocm"):
-    if impl == "pallas" or (platform == "cuda" and auto_on_cuda == "pallas"):
-      return triton
-    return reference
+  if target.platform == "tpu":
+    return "tpu"
+  if target.platform in ("cuda", "rocm"):
+    why_not = (
+        cuda_requirement.why_not(target)
+        if cuda_requirement is not None and target.platform == "cuda" else None
+    )
+    if impl == "pallas":
+      if why_not is not None:
+        raise ValueError(
+            f"impl='pallas': the {family} GPU kernel cannot run on {target.chip}: {why_not}. "
+            "Use impl='auto' (the XLA reference on this chip) or impl='xla'."
+        )
+      return "triton"
+    if target.platform == "cuda" and auto_on_cuda == "pallas" and why_not is None:
+      return "triton"
+    return None
   if impl == "auto":
-    return reference
+    return None
   raise ValueError(
-      f"impl='pallas' cannot run on platform {platform!r}: Pallas compiles for TPU and GPU "
-      "only. Use impl='interpret' to run the kernel in the Pallas interpreter, or 'xla'."
+      f"impl='pallas' cannot run the {family} kernel on platform {target.platform!r}: Pallas "
+      "compiles for TPU and GPU only. Use impl='interpret' to run the kernel in the Pallas "
+      "interpreter, or 'xla'."
   )
 
 
@@ -225,17 +278,27 @@ def _under_shard_map(fn, mesh, args: Sequence[object], *, per_shard: bool):
   return mapped(*placed)
 
 
-def _mesh_aware(kernel_fn, reference, impl: str, elementwise: bool):
-  """``kernel_fn`` made legal under a non-manual mesh (module docstring)."""
+def _layouts_known(mesh) -> bool:
+  """Whether the operands' types carry their layout over ``mesh``'s free axes."""
+  return all(
+      t == jax.sharding.AxisType.Explicit
+      for name, t in zip(mesh.axis_names, mesh.axis_types)
+      if name not in mesh.manual_axes
+  )
+
+
+def _mesh_aware(call, reference, impl: str, elementwise: bool):
+  """``call`` made legal under a non-manual mesh (module docstring)."""
 
   def run(*args, **kwargs):
     mesh = _non_manual_mesh()
     if mesh is None:
-      return kernel_fn(*args, **kwargs)
-    if not elementwise and impl == "auto":
+      return call(*args, **kwargs)
+    per_shard = elementwise and _layouts_known(mesh)
+    if impl == "auto" and not per_shard:
       return reference(*args, **kwargs)
-    bound = lambda *a: kernel_fn(*a, **kwargs)
-    return _under_shard_map(bound, mesh, args, per_shard=elementwise)
+    bound = lambda *a: call(*a, **kwargs)
+    return _under_shard_map(bound, mesh, args, per_shard=per_shard)
 
   return run
 
@@ -246,6 +309,7 @@ def dispatch(
     impl: str = "auto",
     *,
     auto_on_cuda: Literal["pallas", "xla"] = "pallas",
+    cuda_requirement: CudaRequirement | None = None,
     elementwise: bool = False,
 ) -> Callable[..., object]:
   """Returns the function that runs a kernel family as ``impl`` asks.
@@ -258,6 +322,8 @@ def dispatch(
     auto_on_cuda: what ``"auto"`` runs on a CUDA GPU: the Triton kernel
       (``"pallas"``) or the reference (``"xla"``), for a family whose Triton
       kernel is slower than XLA there. ``impl="pallas"`` still runs Triton.
+    cuda_requirement: what the GPU kernel needs of the chip; on a chip
+      without it ``"auto"`` runs the reference and ``"pallas"`` raises.
     elementwise: every output element depends only on the same element of
       the array operands, so the kernel may run per shard.
   """
@@ -266,25 +332,30 @@ def dispatch(
   impl = resolve_impl(impl)
   if impl == "xla":
     return reference
-  kernel_for = lambda backend, interpret: _mesh_aware(
-      functools.partial(kernel, backend=backend, interpret=interpret), reference, impl,
-      elementwise,
-  )
   if impl == "interpret":
-    return kernel_for("tpu", True)
+    interpreted = functools.partial(kernel, backend="tpu", interpret=True)
+    return _mesh_aware(interpreted, reference, impl, elementwise)
+  family = callable_name(kernel).removesuffix("_kernel")
 
-  mosaic, triton = kernel_for("tpu", False), kernel_for("triton", False)
-  branches = {
-      platform: _platform_branch(platform, impl, reference, mosaic, triton, auto_on_cuda)
-      for platform in target_platforms()
-  }
-  if len(set(branches.values())) == 1:
-    return next(iter(branches.values()))
+  def call(*args, **kwargs):
+    requirement = cuda_requirement
+    if requirement is None and any(map(_is_fp8, jax.tree.leaves((args, kwargs)))):
+      requirement = FP8_REQUIREMENT
 
-  def by_platform(*args, **kwargs):
-    # platform_dependent passes only positional operands to its branches; the
-    # keywords are static configuration, bound into every branch.
-    bound = {p: functools.partial(fn, **kwargs) for p, fn in branches.items()}
-    return jax.lax.platform_dependent(*args, **bound)
+    def choose(target: Target):
+      backend = kernel_backend(
+          target, impl, family, auto_on_cuda=auto_on_cuda, cuda_requirement=requirement
+      )
+      return None if backend is None else functools.partial(
+          kernel, backend=backend, interpret=False
+      )
 
-  return by_platform
+    return by_target(reference, choose)(*args, **kwargs)
+
+  return _mesh_aware(call, reference, impl, elementwise)
+
+
+def _is_fp8(x) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1
+

@@ -83,10 +83,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallasopt.kernels import _compat, _matrix
+from pallasopt.kernels._by_target import by_target
 from pallasopt.kernels._compat import pl, pltpu
-from pallasopt.kernels._dispatch import dispatch
+from pallasopt.kernels._dispatch import CudaRequirement, dispatch
 from pallasopt.kernels._elementwise import scalar_input
-from pallasopt.kernels._dispatch import target_platforms
 from pallasopt.kernels.gram import (
     check_levels, gram_kernel, gram_levels_for, gram_reference, mirror_upper,
 )
@@ -380,18 +380,17 @@ def newton_schulz_reference(
   coeffs = jnp.asarray(coeffs, jnp.float32)
   dtype = _check_args(x, coeffs, preconditioning, iter_dtype)
   if gram_levels is None:
+    # The levels measured fastest differ per platform: chosen when lowered.
     rows = min(x.shape[-2:])
-    by_platform = {p: gram_levels_for(rows, p) for p in target_platforms()}
-    if len(set(by_platform.values())) > 1:
-      branches = {
-          p: functools.partial(
-              newton_schulz_reference, preconditioning=preconditioning, eps=eps,
-              iter_dtype=iter_dtype, gram_levels=levels,
-          )
-          for p, levels in by_platform.items()
-      }
-      return jax.lax.platform_dependent(x, coeffs, **branches)
-    gram_levels = next(iter(by_platform.values()))
+    with_levels = lambda levels: functools.partial(newton_schulz_reference, gram_levels=levels)
+
+    def choose(target):
+      levels = gram_levels_for(rows, target.platform)
+      return with_levels(levels) if levels else None
+
+    return by_target(with_levels(0), choose)(
+        x, coeffs, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype
+    )
   gram_levels = check_levels(gram_levels)
   stack, restore = _wide_stack(x)
   if preconditioning == "spectral":
@@ -428,6 +427,14 @@ def choose_regime(rows: int, cols: int, backend: str) -> str:
   m, n = min(rows, cols), max(rows, cols)
   dims = _matrix.padded_dims(m, n, backend)
   return "resident" if _resident_bytes(dims) <= _TPU_RESIDENT_BYTES else "tiled"
+
+
+# wgmma is Hopper's (sm_90a): neither an A100 (sm_80) nor a Blackwell (sm_100a)
+# compiles it ("Pass pipeline failed" from Mosaic GPU).
+WGMMA_REQUIREMENT = CudaRequirement(
+    lambda capability: capability == (9, 0),
+    "a Hopper GPU (sm_90a: the Mosaic GPU wgmma kernel)",
+)
 
 
 def _check_cuda_regime(regime: str, iter_dtype) -> None:
@@ -735,5 +742,6 @@ def newton_schulz(
       functools.partial(newton_schulz_kernel, regime=regime, tile=tile),
       impl,
       auto_on_cuda="xla",
+      cuda_requirement=WGMMA_REQUIREMENT,
   )
   return fn(x, coeffs, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype)

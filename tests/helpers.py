@@ -6,7 +6,8 @@ import numpy as np
 import optax
 from hypothesis import strategies as st
 
-from pallasopt import kernels
+import pallasopt
+
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -178,13 +179,39 @@ _DISABLED_CHECKS = {
 }
 
 
-def lowered_text(fn, platform, *args) -> str:
-  """StableHLO of `jax.jit(fn)` exported for `platform` ("tpu" or "cuda")."""
-  with kernels.lowering_platforms(platform):
-    exported = jax.export.export(
-        jax.jit(fn), platforms=[platform], disabled_checks=_DISABLED_CHECKS[platform]
-    )(*args)
-  return exported.mlir_module()
+# Device kinds as the chips report them, to name the chip of an export.
+CHIPS = {
+    "a100": ("NVIDIA A100-SXM4-80GB", "cuda"),
+    "h100": ("NVIDIA H100 80GB HBM3", "cuda"),
+    "b200": ("NVIDIA B200", "cuda"),
+    "v4": ("TPU v4", "tpu"),
+    "v5e": ("TPU v5 lite", "tpu"),
+    "v5p": ("TPU v5", "tpu"),
+    "v6e": ("TPU v6 lite", "tpu"),
+    "tpu7x": ("TPU7x", "tpu"),
+}
+
+
+def named_chip(chip: str):
+  """Context naming the chip an export is for (plain JAX: an abstract device)."""
+  kind, platform = CHIPS[chip]
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform=platform)
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+
+
+def lowered_text(fn, platform, *args, chip: str | None = None) -> str:
+  """StableHLO of `jax.jit(fn)` exported for `platform` ("tpu" or "cuda"), plain JAX.
+
+  Without ``chip`` the export names no device (the platform's baseline chip
+  is assumed); with one, the export is for that chip (`CHIPS`).
+  """
+  export = jax.export.export(
+      jax.jit(fn), platforms=[platform], disabled_checks=_DISABLED_CHECKS[platform]
+  )
+  if chip is None:
+    return export(*args).mlir_module()
+  with named_chip(chip):
+    return export(*args).mlir_module()
 
 
 def digits_mlp(hidden: int):
@@ -220,3 +247,34 @@ def frozen_at(got, init, keys):
     return i if under else g
 
   return jax.tree_util.tree_map_with_path(pick, got, init)
+
+
+# ---- What each chip runs under impl="auto" (lowering and compile tiers). ----
+
+# A matrix with 8-bit state and a bias that keeps f32 state (under 4096 elements).
+FAMILY_TREE = {"w": sds((256, 512)), "b": sds((512,))}
+STATE_FORMATS = [None, "bf16", "int8", "fp8"]
+
+
+def _elementwise_family(make):
+  return lambda impl, fmt: make(1e-3, state_format=fmt, impl=impl)
+
+
+ELEMENTWISE_FAMILIES = {
+    name: _elementwise_family(getattr(pallasopt.optim, name))
+    for name in ("adamw", "lion", "rmsprop", "mars")
+}
+
+
+def auto_kernels(fmt, chip: str) -> int:
+  """Kernels in one fused elementwise step on `FAMILY_TREE` under ``"auto"``.
+
+  A TPU runs every leaf's kernel. A CUDA GPU runs Triton only for blockwise
+  moments (the matrix; XLA fuses f32 and bf16 updates as well), and fp8
+  conversions only from compute capability 8.9 (not on an A100).
+  """
+  if CHIPS[chip][1] == "tpu":
+    return len(FAMILY_TREE)
+  if fmt == "int8" or (fmt == "fp8" and chip != "a100"):
+    return 1
+  return 0

@@ -1,6 +1,5 @@
 """The shared kernel machinery: tiling plans and implementation dispatch."""
 
-import contextlib
 import math
 
 import jax
@@ -95,44 +94,9 @@ def test_bad_impl_values_are_named(monkeypatch):
     kernels.resolve_impl()
 
 
-def _kernel_calls(impl, auto_on_cuda="pallas", platforms=None):
-  s = kernels.adamw_scalars(1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0)
-  x = jnp.ones((256,))
-  with contextlib.ExitStack() as stack:
-    if platforms:
-      stack.enter_context(kernels.lowering_platforms(*platforms))
-    fn = _dispatch.dispatch(
-        adamw_k.adamw_reference, adamw_k.adamw_kernel, impl, auto_on_cuda=auto_on_cuda
-    )
-    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, s, mode="apply", nesterov=False, decay=True))(
-        x, x, x, x
-    )
-  return str(jaxpr)
-
-
-def test_auto_traces_only_the_target_platforms_branches():
-  # On this CPU host nothing but the reference is traced.
-  assert kernels.target_platforms() == ("cpu",)
-  assert "pallas_call" not in _kernel_calls("auto")
-  both = _kernel_calls("auto", platforms=("tpu", "cuda", "cpu"))
-  assert both.count("pallas_call") == 2 and "platform_index" in both  # Mosaic, Triton, XLA
-  # A family whose CUDA "auto" is XLA carries only the Mosaic kernel.
-  assert _kernel_calls("auto", "xla", platforms=("tpu", "cuda")).count("pallas_call") == 1
-  one = _kernel_calls("auto", platforms=("tpu",))
-  assert one.count("pallas_call") == 1 and "platform_index" not in one
+def test_bad_auto_on_cuda_is_named():
   with pytest.raises(ValueError, match="auto_on_cuda must be 'pallas' or 'xla'"):
-    _kernel_calls("auto", auto_on_cuda="triton")
-  assert "pallas_call" not in _kernel_calls("xla", platforms=("tpu",))
-  interpret = _kernel_calls("interpret")
-  assert interpret.count("pallas_call") == 1 and "platform_index" not in interpret
-
-
-def test_pallas_on_a_cpu_target_is_a_clear_error():
-  with pytest.raises(ValueError, match="impl='pallas' cannot run on platform 'cpu'.*interpret"):
-    _kernel_calls("pallas")
-  with pytest.raises(ValueError, match="lowering_platforms"):
-    with kernels.lowering_platforms("gpu"):
-      pass
+    _dispatch.dispatch(adamw_k.adamw_reference, adamw_k.adamw_kernel, auto_on_cuda="triton")
 
 
 def test_use_impl_is_part_of_the_jit_cache_key():
@@ -146,9 +110,9 @@ def test_use_impl_is_part_of_the_jit_cache_key():
   with kernels.use_impl("interpret"):
     interpreted = lowered()
     with kernels.use_impl("xla"):
-      assert lowered() == plain
+      xla = lowered()
   assert lowered() == plain
-  assert interpreted != plain
+  assert interpreted not in (plain, xla)
   # And the compiled calls: the interpreter's rounding is not required to
   # differ, so compare which jaxpr each call traced.
   traced = []

@@ -26,7 +26,8 @@ def _sds(shape, dtype=jnp.float32):
 # run resident (one launch), large matrices tiled (3 launches per step, 5
 # steps). CUDA: bf16 iterates run the wgmma regime, two Mosaic GPU Gram
 # kernels per step (``cuda`` counts (Triton, Mosaic GPU) launches); f32
-# iterates have no CUDA kernel (None: a TypeError naming iter_dtype).
+# iterates have no CUDA kernel (None: a TypeError naming iter_dtype). The
+# CUDA exports name an H100: wgmma is Hopper's (see test_wgmma_needs_hopper).
 CASES = [
     ((4, 24, 40), jnp.float32, "frobenius", {"tpu": 1, "cuda": None}),
     ((40, 24), jnp.bfloat16, "aol", {"tpu": 1, "cuda": (0, 10)}),
@@ -47,21 +48,34 @@ def _launches(text, platform):
 def test_newton_schulz_lowers(platform, shape, dtype, preconditioning, launches):
   fn = lambda x, t: ns.newton_schulz(x, t, preconditioning=preconditioning, impl="pallas")
   args = _sds(shape, dtype), _sds((5, 3))
+  chip = "h100" if platform == "cuda" else None
   if launches[platform] is None:
     with pytest.raises(TypeError, match="iter_dtype"):
-      lowered_text(fn, platform, *args)
+      lowered_text(fn, platform, *args, chip=chip)
   else:
-    assert _launches(lowered_text(fn, platform, *args), platform) == launches[platform]
+    assert _launches(lowered_text(fn, platform, *args, chip=chip), platform) == launches[platform]
 
 
 def test_f32_input_with_bf16_iterates_runs_wgmma_on_cuda():
   fn = lambda x, t: ns.newton_schulz(x, t, iter_dtype=jnp.bfloat16, impl="pallas")
-  text = lowered_text(fn, "cuda", _sds((2, 512, 1536)), _sds((5, 3)))
+  text = lowered_text(fn, "cuda", _sds((2, 512, 1536)), _sds((5, 3)), chip="h100")
   assert _launches(text, "cuda") == (0, 10)
 
 
+@pytest.mark.parametrize("chip", ["a100", "b200", None])
+def test_wgmma_needs_hopper(chip):
+  # Mosaic GPU's wgmma compiles for sm_90a only; an export naming no chip
+  # assumes the oldest supported GPU (an A100).
+  args = _sds((2, 512, 1536), jnp.bfloat16), _sds((5, 3))
+  pallas = lambda x, t: ns.newton_schulz(x, t, impl="pallas")
+  with pytest.raises(ValueError, match=r"newton_schulz GPU kernel cannot run on .*sm_90a.*impl='auto'"):
+    lowered_text(pallas, "cuda", *args, chip=chip)
+  auto = lambda x, t: ns.newton_schulz(x, t, impl="auto")
+  assert _launches(lowered_text(auto, "cuda", *args, chip=chip), "cuda") == (0, 0)
+
+
 def test_symmetric_gram_kernel_lowers_for_cuda():
-  text = lowered_text(gram.gram_kernel, "cuda", _sds((3, 4096, 11008), jnp.bfloat16))
+  text = lowered_text(gram.gram_kernel, "cuda", _sds((3, 4096, 11008), jnp.bfloat16), chip="h100")
   assert _launches(text, "cuda") == (0, 1)
 
 
@@ -82,7 +96,7 @@ def test_muon_transform_lowers(platform):
                 "stack": pallasopt.optim.MuonDimensionNumbers(1, 2), "b": None})
   state = jax.eval_shape(tx.init, params)
   fused = functools.partial(pallasopt.optim.apply_gradients, tx)
-  text = lowered_text(fused, platform, params, params, state)
+  text = lowered_text(fused, platform, params, params, state, chip={"tpu": None, "cuda": "h100"}[platform])
   # One AdamW kernel (Triton on CUDA); per Muon shape one resident launch
   # (TPU) or 5 wgmma steps of 2 Mosaic GPU launches (CUDA).
   assert _launches(text, platform) == {"tpu": 3, "cuda": (1, 20)}[platform]

@@ -1,0 +1,173 @@
+"""The chip a computation is lowered for, as its lowering knows it.
+
+`Target` is what a kernel family's dispatch decides on (see `_dispatch`): the
+platform of the lowering rule JAX runs (one per platform of the module, so a
+multi-platform ``jax.export`` asks once per platform), the device kind when the
+lowering has a device of that platform, and whether XLA's automatic
+partitioner will split the computation over several devices (no Pallas call
+can be split there).
+
+Where the device comes from, first to last:
+
+1. an abstract device of that platform in context:
+   ``jax.sharding.use_abstract_mesh(AbstractMesh(..., abstract_device=...))``
+   (how a user names the chip of an export), or the abstract mesh of the
+   shardings being lowered;
+2. the devices of the lowering itself: a mesh's devices inside ``shard_map``,
+   the device assignment when JAX passes one, else the devices of the client
+   that lowers (the local GPU or TPU, or a ``jax.experimental.topologies``
+   compile-only client for AOT compilation);
+3. none: an export for a platform this host lacks, with no abstract device.
+   The kernels chosen then are those every chip of the platform compiles
+   (`BASELINE_DEVICE_KIND`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+__all__ = [
+    "Target",
+    "BASELINE_DEVICE_KIND",
+    "lowering_target",
+    "platform_name",
+]
+
+# The chips assumed when a lowering has no device of its platform: the oldest
+# of each family that the compile tier covers, so that an export carries only
+# kernels that every supported chip compiles (no fp8 Triton conversions, no
+# Hopper `wgmma`). JAX >= 0.11's Pallas lowerings read a device kind too.
+BASELINE_DEVICE_KIND: dict[str, str] = {
+    "tpu": "TPU v4",
+    "cuda": "NVIDIA A100-SXM4-80GB",
+}
+
+# Compute capabilities of the NVIDIA chips by the device kind they report, for
+# devices that carry no `compute_capability` (abstract devices). Most specific
+# names first: "A100" must not match "A10".
+_CUDA_CAPABILITIES: tuple[tuple[str, tuple[int, int]], ...] = (
+    ("GB300", (10, 3)), ("B300", (10, 3)),
+    ("GB200", (10, 0)), ("B200", (10, 0)), ("B100", (10, 0)),
+    ("GH200", (9, 0)), ("H200", (9, 0)), ("H100", (9, 0)), ("H800", (9, 0)),
+    ("L40", (8, 9)), ("L4", (8, 9)), ("RTX 40", (8, 9)),
+    ("A100", (8, 0)), ("A800", (8, 0)), ("A30", (8, 0)),
+    ("A40", (8, 6)), ("A10", (8, 6)), ("RTX 30", (8, 6)),
+    ("T4", (7, 5)), ("V100", (7, 0)),
+)
+
+
+def platform_name(platform: str) -> str:
+  """A device's or client's platform as `jax.export` spells it (``"gpu"`` -> ``"cuda"``)."""
+  platform = platform.lower()
+  return "cuda" if platform == "gpu" else platform
+
+
+def _capability(device, kind: str | None) -> tuple[int, int] | None:
+  reported = getattr(device, "compute_capability", None)
+  if isinstance(reported, str) and re.fullmatch(r"\d+\.\d+", reported):
+    major, minor = reported.split(".")
+    return int(major), int(minor)
+  for name, capability in _CUDA_CAPABILITIES:
+    if kind and name in kind:
+      return capability
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """The chip one lowering of a kernel call is for.
+
+  Attributes:
+    platform: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"`` (or another name
+      JAX lowers for).
+    device_kind: the device's ``device_kind`` (``"TPU v5 lite"``,
+      ``"NVIDIA H100 80GB HBM3"``), or None when the lowering has no device of
+      this platform (an export; see the module docstring).
+    compute_capability: ``(major, minor)`` of an NVIDIA device, when known.
+    partitioned: XLA's automatic partitioner splits this computation over
+      several devices (``jax.jit`` with shardings, outside ``shard_map``): a
+      Pallas call cannot be placed there.
+  """
+
+  platform: str
+  device_kind: str | None = None
+  compute_capability: tuple[int, int] | None = None
+  partitioned: bool = False
+
+  @property
+  def chip(self) -> str:
+    """The device kind, or what is assumed without one (for messages)."""
+    if self.device_kind is not None:
+      return self.device_kind
+    baseline = BASELINE_DEVICE_KIND.get(self.platform)
+    if baseline is None:
+      return f"a {self.platform} device"
+    return f"an unnamed {self.platform} device (assumed {baseline})"
+
+  @property
+  def cuda_capability(self) -> tuple[int, int]:
+    """The compute capability kernels may rely on: the baseline chip's when unknown."""
+    if self.compute_capability is not None:
+      return self.compute_capability
+    return _capability(None, BASELINE_DEVICE_KIND["cuda"])  # type: ignore[return-value]
+
+  @classmethod
+  def of_device(cls, device, platform: str | None = None, *, partitioned: bool = False) -> "Target":
+    """The target of a concrete or abstract ``device`` (a topology's, a mesh's)."""
+    platform = platform or platform_name(device.platform)
+    kind = getattr(device, "device_kind", None)
+    capability = _capability(device, kind) if platform == "cuda" else None
+    return cls(platform, kind, capability, partitioned)
+
+
+def _same_platform(device, platform: str) -> bool:
+  found = platform_name(getattr(device, "platform", "") or "")
+  return found == platform or (platform in ("cuda", "rocm") and found in ("cuda", "rocm"))
+
+
+def _partitioned(axis_context) -> bool:
+  """Whether the lowering is under XLA's automatic partitioning of several devices."""
+  manual = getattr(axis_context, "manual_axes", None)
+  mesh = getattr(axis_context, "mesh", None)
+  if manual is not None and mesh is not None:  # inside shard_map
+    manual = frozenset(manual) | frozenset(getattr(mesh, "manual_axes", ()))
+    return manual != frozenset(mesh.axis_names)
+  return getattr(axis_context, "num_devices", 1) > 1
+
+
+def _candidate_devices(module_context):
+  axis_context = module_context.axis_context
+  abstract_meshes = (
+      jax.sharding.get_abstract_mesh(),
+      getattr(axis_context, "abstract_mesh", None),
+      getattr(axis_context, "mesh", None),
+  )
+  for mesh in abstract_meshes:
+    device = getattr(mesh, "abstract_device", None)
+    if device is not None:
+      yield device
+  mesh = getattr(axis_context, "mesh", None)
+  if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+    yield mesh.devices.flat[0]
+  for device in getattr(axis_context, "device_assignment", None) or ():
+    yield device
+  backend = module_context.backend
+  if backend is not None:
+    try:
+      devices = backend.devices()
+    except Exception:  # a client without devices lowers for none.
+      devices = ()
+    yield from devices[:1]
+
+
+def lowering_target(ctx, platform: str) -> Target:
+  """The `Target` of a lowering rule's context for ``platform``."""
+  module_context = ctx.module_context
+  partitioned = _partitioned(module_context.axis_context)
+  for device in _candidate_devices(module_context):
+    if _same_platform(device, platform):
+      return Target.of_device(device, platform, partitioned=partitioned)
+  return Target(platform, partitioned=partitioned)

@@ -1,0 +1,261 @@
+"""The kernel is chosen when a call is lowered, for the chip it is lowered for.
+
+No pallasopt context anywhere here: plain ``jax.jit``, ``jax.export`` and
+``jax.vmap``/``jax.grad``. Exports name their chip, when they do, the plain JAX
+way (`helpers.named_chip`: an abstract device in context); one that names
+none assumes the platform's oldest supported chip.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallasopt
+from helpers import (
+    CHIPS, CUSTOM_CALL, ELEMENTWISE_FAMILIES, FAMILY_TREE, MOSAIC_GPU_CALL, STATE_FORMATS,
+    assert_close, auto_kernels, lowered_text, named_chip, sds,
+)
+from pallasopt import kernels
+from pallasopt.kernels import _by_target, _dispatch
+from pallasopt.kernels import adamw as adamw_k
+from pallasopt.kernels import quant
+from pallasopt.kernels._target import Target
+
+_SCALARS = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
+
+
+def _adamw(impl):
+  return lambda p, g, m, v, s: adamw_k.adamw_apply(p, g, m, v, s, impl=impl)
+
+
+def _export(fn, platforms, *args, chip=None):
+  checks = [jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALL["cuda"])]
+  export = jax.export.export(jax.jit(fn), platforms=platforms, disabled_checks=checks)
+  if chip is None:
+    return export(*args).mlir_module()
+  with named_chip(chip):
+    return export(*args).mlir_module()
+
+
+def _kernels(text):
+  return {
+      "tpu": text.count(CUSTOM_CALL["tpu"]),
+      "triton": text.count(CUSTOM_CALL["cuda"]),
+      "mosaic_gpu": text.count(MOSAIC_GPU_CALL),
+  }
+
+
+# ---- Tracing decides nothing. ----
+
+
+def test_tracing_binds_one_primitive_and_traces_no_kernel():
+  x = jnp.ones((256,))
+  jaxpr = lambda impl: str(jax.make_jaxpr(_adamw(impl))(x, x, x, x, _SCALARS))
+  for impl in ("auto", "pallas"):
+    assert jaxpr(impl).count("pallasopt_by_target") == 1 and "pallas_call" not in jaxpr(impl)
+  assert "pallasopt_by_target" not in jaxpr("xla") and "pallas_call" not in jaxpr("xla")
+  assert jaxpr("interpret").count("pallas_call") == 1
+
+
+def test_the_reference_is_traced_once_per_call_signature():
+  traced = []
+
+  def reference(x, scale, *, power):
+    traced.append(x.shape)
+    return x**power * scale
+
+  call = _by_target.by_target(reference, lambda target: None)
+  tree = [jnp.ones((8, 4)) for _ in range(50)] + [jnp.ones((3,))]
+  jax.jit(lambda t: [call(x, 2.0, power=2) for x in t]).lower(tree)
+  assert traced == [(8, 4), (3,)]
+  # Static configuration is part of the signature.
+  jax.jit(lambda x: call(x, 2.0, power=3)).lower(tree[0])
+  assert traced == [(8, 4), (3,), (8, 4)]
+
+
+# ---- Plain export and jit carry each target's choice. ----
+
+
+def test_cpu_jit_runs_the_reference():
+  x = sds((4096,))
+  assert "custom_call" not in jax.jit(_adamw("auto")).lower(x, x, x, x, _SCALARS).as_text()
+
+
+@pytest.mark.parametrize(
+    "platforms,chip,expected",
+    [
+        (["tpu"], None, {"tpu": 1, "triton": 0}),
+        (["cuda"], None, {"tpu": 0, "triton": 0}),  # f32 AdamW: XLA on CUDA
+        (["cpu"], None, {"tpu": 0, "triton": 0}),
+        (["cpu", "tpu"], None, {"tpu": 1, "triton": 0}),
+        (["cpu", "tpu", "cuda"], None, {"tpu": 1, "triton": 0}),
+    ],
+)
+def test_export_carries_the_target_kernel(platforms, chip, expected):
+  x = sds((4096, 1024))
+  counts = _kernels(_export(_adamw("auto"), platforms, x, x, x, x, _SCALARS, chip=chip))
+  assert {k: counts[k] for k in expected} == expected
+
+
+def test_multi_platform_export_carries_each_kernel_in_its_branch():
+  x = sds((4096,))
+  text = _export(_adamw("pallas"), ["tpu", "cuda"], x, x, x, x, _SCALARS)
+  assert _kernels(text) == {"tpu": 1, "triton": 1, "mosaic_gpu": 0}
+  assert "stablehlo.case" in text
+
+
+def test_exports_of_pallas_need_a_kernel_platform():
+  x = sds((4096,))
+  with pytest.raises(ValueError, match=r"impl='pallas' cannot run the adamw kernel on platform 'cpu'.*interpret"):
+    _export(_adamw("pallas"), ["cpu"], x, x, x, x, _SCALARS)
+
+
+def test_lowering_platforms_was_removed_with_a_clear_error():
+  with pytest.raises(ValueError, match=r"lowering_platforms was removed.*jax\.export"):
+    kernels.lowering_platforms("tpu")
+
+
+# ---- The chip decides: fp8 and wgmma. ----
+
+
+def _int8_or_fp8_adamw(fmt, impl):
+  def step(p, g, m, v, s):
+    return adamw_k.adamw_apply(p, g, quant.quantize(m, signed=True, fmt=fmt),
+                               quant.quantize(v, signed=False, fmt=fmt), s, impl=impl)
+  return step
+
+
+@pytest.mark.parametrize(
+    "fmt,chip,auto_triton",
+    [("int8", "a100", 1), ("int8", "h100", 1), ("fp8", "a100", 0), ("fp8", "h100", 1),
+     ("fp8", None, 0), ("fp8", "b200", 1)],
+)
+def test_low_bit_state_follows_the_chip(fmt, chip, auto_triton):
+  x = sds((4096, 256))
+  args = (x, x, x, x, _SCALARS)
+  assert _kernels(_export(_int8_or_fp8_adamw(fmt, "auto"), ["cuda"], *args, chip=chip))[
+      "triton"] == auto_triton
+  pallas = _int8_or_fp8_adamw(fmt, "pallas")
+  if auto_triton:
+    assert _kernels(_export(pallas, ["cuda"], *args, chip=chip))["triton"] == 1
+  else:
+    with pytest.raises(ValueError, match=r"adamw GPU kernel cannot run on .*>= 8\.9 .*fp8"):
+      _export(pallas, ["cuda"], *args, chip=chip)
+
+
+def _target(kind, platform, capability=None, partitioned=False):
+  return Target(platform, kind, capability, partitioned)
+
+
+@pytest.mark.parametrize(
+    "target,impl,auto_on_cuda,requirement,expected",
+    [
+        (_target("TPU v5 lite", "tpu"), "auto", "xla", None, "tpu"),
+        (_target("TPU v6 lite", "tpu"), "pallas", "pallas", None, "tpu"),
+        (_target("NVIDIA H100 80GB HBM3", "cuda", (9, 0)), "auto", "xla", None, None),
+        (_target("NVIDIA H100 80GB HBM3", "cuda", (9, 0)), "auto", "pallas", None, "triton"),
+        (_target("NVIDIA H100 80GB HBM3", "cuda", (9, 0)), "pallas", "xla", None, "triton"),
+        (_target("NVIDIA A100-SXM4-80GB", "cuda", (8, 0)), "auto", "pallas", "fp8", None),
+        (_target("NVIDIA L4", "cuda", (8, 9)), "auto", "pallas", "fp8", "triton"),
+        (_target("cpu", "cpu"), "auto", "pallas", None, None),
+        (_target("TPU v5 lite", "tpu", partitioned=True), "auto", "pallas", None, None),
+        (_target(None, "rocm"), "auto", "pallas", None, None),
+        (_target(None, "rocm"), "pallas", "pallas", None, "triton"),
+    ],
+)
+def test_policy_per_target(target, impl, auto_on_cuda, requirement, expected):
+  requirement = {"fp8": _dispatch.FP8_REQUIREMENT, None: None}[requirement]
+  got = _dispatch.kernel_backend(
+      target, impl, "adamw", auto_on_cuda=auto_on_cuda, cuda_requirement=requirement
+  )
+  assert got == expected
+
+
+def test_policy_errors_name_target_family_and_remedy():
+  a100 = _target("NVIDIA A100-SXM4-80GB", "cuda", (8, 0))
+  with pytest.raises(ValueError, match=r"lion GPU kernel cannot run on NVIDIA A100.*8\.0.*impl='auto'"):
+    _dispatch.kernel_backend(a100, "pallas", "lion", cuda_requirement=_dispatch.FP8_REQUIREMENT)
+  partitioned = _target("TPU v5 lite", "tpu", partitioned=True)
+  with pytest.raises(ValueError, match=r"adamw kernel cannot run where XLA's partitioner.*jax\.set_mesh"):
+    _dispatch.kernel_backend(partitioned, "pallas", "adamw")
+
+
+def test_unnamed_chips_assume_the_baseline():
+  assert Target("cuda").cuda_capability == (8, 0)
+  assert "assumed NVIDIA A100" in Target("cuda").chip
+  assert Target.of_device(
+      jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
+  ).compute_capability == (9, 0)
+  assert Target.of_device(
+      jax.sharding.AbstractDevice(device_kind="NVIDIA A10G", num_cores=None, platform="cuda")
+  ).compute_capability == (8, 6)
+
+
+# ---- Sharded without a mesh in context: XLA partitions, no kernel can. ----
+
+
+def test_jit_with_shardings_only_runs_the_reference_or_says_why_not():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  shard = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  x = jax.ShapeDtypeStruct((8 * 512,), jnp.float32, sharding=shard)
+  args = (x, x, x, x, _SCALARS)
+  auto = jax.jit(_adamw("auto"), in_shardings=(shard,) * 4 + (None,))
+  assert "custom_call" not in auto.lower(*args).as_text()
+  pallas = jax.jit(_adamw("pallas"), in_shardings=(shard,) * 4 + (None,))
+  with pytest.raises(ValueError, match=r"partitioner splits.*jax\.set_mesh"):
+    pallas.lower(*args)
+
+
+# ---- Transformations. ----
+
+
+def test_eager_vmap_and_grad_follow_the_reference_on_cpu():
+  rng = np.random.default_rng(0)
+  p, g, m = (jnp.asarray(rng.standard_normal((5, 300)), jnp.float32) for _ in range(3))
+  v = jnp.abs(m)
+  ref = jax.vmap(lambda *a: adamw_k.adamw_reference(*a, _SCALARS, mode="apply", nesterov=False,
+                                                    decay=True))(p, g, m, v)
+  batched = jax.vmap(lambda *a: _adamw("auto")(*a, _SCALARS))(p, g, m, v)
+  for got, want in zip(batched, ref):
+    assert_close(got, want, 0.0)
+  eager = _adamw("auto")(p[0], g[0], m[0], v[0], _SCALARS)
+  assert_close(eager[0], ref[0][0], 0.0)
+  # The tangents are the reference's: the same jaxpr, differentiated.
+  grad = jax.grad(lambda q: _adamw("auto")(q, g[0], m[0], v[0], _SCALARS)[0].sum())(p[0])
+  want = jax.grad(lambda q: adamw_k.adamw_reference(
+      q, g[0], m[0], v[0], _SCALARS, mode="apply", nesterov=False, decay=True)[0].sum())(p[0])
+  assert_close(grad, want, 0.0)
+
+
+def test_vmapped_kernels_export_for_tpu():
+  x = sds((3, 4096))
+  fn = jax.vmap(_adamw("auto"), in_axes=(0, 0, 0, 0, None))
+  assert _kernels(_export(fn, ["tpu"], x, x, x, x, _SCALARS))["tpu"] == 1
+
+
+def test_newton_schulz_gram_levels_follow_each_platform_of_an_export():
+  from pallasopt.kernels import newton_schulz as ns
+  x, t = sds((2048, 2048)), sds((5, 3))
+  dots = lambda platforms: len(re.findall(
+      r"stablehlo.dot_general", _export(ns.newton_schulz_reference, platforms, x, t)))
+  # CPU: 2 levels from 2048 rows (3 dots per symmetric product + B X); CUDA: full dots.
+  assert (dots(["cpu"]), dots(["cuda"])) == (5 * 7, 5 * 3)
+  assert dots(["cpu", "cuda"]) == 5 * 7 + 5 * 3
+
+
+# ---- Every elementwise family and state format, through the transforms. ----
+
+@pytest.mark.parametrize("chip", ["v5e", "h100", "a100", "b200"])
+@pytest.mark.parametrize("fmt", STATE_FORMATS, ids=str)
+@pytest.mark.parametrize("family", sorted(ELEMENTWISE_FAMILIES))
+def test_every_elementwise_family_and_format_exports_the_chips_kernels(family, fmt, chip):
+  tx = ELEMENTWISE_FAMILIES[family]("auto", fmt)
+  state = jax.eval_shape(tx.init, FAMILY_TREE)
+  fused = functools.partial(pallasopt.optim.apply_gradients, tx)
+  platform = CHIPS[chip][1]
+  counts = _kernels(lowered_text(fused, platform, FAMILY_TREE, FAMILY_TREE, state, chip=chip))
+  assert counts["tpu"] + counts["triton"] == auto_kernels(fmt, chip)
