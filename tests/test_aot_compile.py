@@ -101,28 +101,34 @@ def test_bf16_newton_schulz_compiles_wgmma_on_hopper_only(chip):
 _TREES = {"matrices": _MUON_TREE, "small": {"w": sds((64, 128)), "b": sds((128,))}}
 
 
+_OTHER_FAMILIES = {
+    "adafactor": lambda fmt: pallasopt.optim.adafactor(
+        1e-3, momentum=0.9 if fmt else None, state_format=fmt),
+    "muon": lambda fmt: pallasopt.optim.muon(1e-3, state_format=fmt),
+    "kron": lambda fmt: pallasopt.optim.kron(1e-3),
+    "quad": lambda fmt: pallasopt.optim.quad(1e-3, block_size=128),
+    "skew": lambda fmt: pallasopt.optim.skew(1e-3, block_size=128),
+}
+# Families with a state_format take each format on the matrices; the
+# Kron-kernel families also take the small tree their GPU kernel runs on.
+_OTHER_CASES = [
+    *((name, fmt, "matrices") for name in ("adafactor", "muon") for fmt in STATE_FORMATS),
+    *((name, None, tree) for name in ("kron", "quad", "skew") for tree in sorted(_TREES)),
+]
+
+
 @pytest.mark.parametrize("chip", ["v5e", "h100", "a100"])
-@pytest.mark.parametrize("tree", sorted(_TREES))
-@pytest.mark.parametrize(
-    "name,make",
-    [
-        ("adafactor", lambda impl: pallasopt.optim.adafactor(1e-3, impl=impl)),
-        ("muon", lambda impl: pallasopt.optim.muon(1e-3, impl=impl)),
-        ("kron", lambda impl: pallasopt.optim.kron(1e-3, impl=impl)),
-        ("quad", lambda impl: pallasopt.optim.quad(1e-3, block_size=128, impl=impl)),
-        ("skew", lambda impl: pallasopt.optim.skew(1e-3, block_size=128, impl=impl)),
-    ],
-)
-def test_other_families_compile_what_their_export_carries(name, make, tree, chip):
+@pytest.mark.parametrize("name,fmt,tree", _OTHER_CASES, ids=str)
+def test_other_families_compile_what_their_export_carries(name, fmt, tree, chip):
   aot_targets.require(chip)
   params = _TREES[tree]
-  tx = make("auto")
+  tx = _OTHER_FAMILIES[name](fmt)
   state = jax.eval_shape(tx.init, params)
   kernels = _all_kernels(compile_for(_fused(tx), chip, params, params, state))
   assert kernels == _exported_kernels(_fused(tx), chip, params, params, state)
-  # Every family has a Mosaic kernel; on CUDA Muon's f32 Newton–Schulz (and
-  # its f32 AdamW for the bias) run XLA under "auto".
-  if CHIPS[chip][1] == "tpu" or (tree == "small" and name != "muon"):
+  # Every family has a Mosaic kernel; on CUDA so do Adafactor and, on the
+  # small tree, the Kron-kernel families (Muon's f32 Newton-Schulz runs XLA).
+  if CHIPS[chip][1] == "tpu" or name == "adafactor" or tree == "small":
     assert kernels > 0, name
 
 
