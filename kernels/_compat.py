@@ -26,7 +26,6 @@ from jax.experimental.pallas import triton as pltriton
 from pallasopt.kernels._tiling import check_backend
 
 __all__ = [
-    "JAX_VERSION",
     "pl",
     "plgpu",
     "pltpu",
@@ -44,9 +43,6 @@ __all__ = [
     "gathered",
 ]
 
-JAX_VERSION: tuple[int, ...] = tuple(
-    int(part) for part in jax.__version__.split(".")[:3] if part.isdigit()
-)
 
 def mosaic_gpu_interpret(interpret: bool) -> dict:
   """``plgpu.kernel`` keywords that run it in the Mosaic GPU interpreter (or not).
@@ -67,7 +63,6 @@ TPUCompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(
 TritonCompilerParams = getattr(pltriton, "CompilerParams", None) or getattr(
     pltriton, "TritonCompilerParams"
 )
-
 
 
 def compiler_params(

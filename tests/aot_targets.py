@@ -36,7 +36,6 @@ TOPOLOGIES: dict[str, str] = {
     "v6e": "v6e:2x2",
     "tpu7x": "tpu7x:2x2x1",
 }
-GPU_TARGETS = tuple(name for name in TOPOLOGIES if CHIPS[name][1] == "cuda")
 TPU_TARGETS = tuple(name for name in TOPOLOGIES if CHIPS[name][1] == "tpu")
 
 # What each compiled kernel is called in the compiled module's HLO.

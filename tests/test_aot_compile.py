@@ -18,7 +18,7 @@ import pytest
 
 import aot_targets
 import pallasopt
-from aot_targets import GPU_TARGETS, TPU_TARGETS, compile_for, compiled_kernels
+from aot_targets import TPU_TARGETS, compile_for, compiled_kernels
 from helpers import (
     CHIPS, CUSTOM_CALL, ELEMENTWISE_FAMILIES, FAMILY_TREE, STATE_FORMATS, auto_kernels,
     lowered_text, sds,
