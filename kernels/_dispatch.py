@@ -150,8 +150,8 @@ def lowering_platforms(*platforms: str):
       "pallasopt.kernels.lowering_platforms was removed: kernels are chosen when a call is "
       "lowered, for the platform and chip it is lowered for. Export with plain JAX, e.g. "
       "jax.export.export(jax.jit(step), platforms=['tpu', 'cuda'])(*args); to name the chip "
-      "of an export, use jax.sharding.use_abstract_mesh with an AbstractDevice (README, "
-      f"'Export and AOT compilation'). Got lowering_platforms{platforms!r}."
+      "of an export, use jax.sharding.use_abstract_mesh with an AbstractDevice (BUILD.md, "
+      f"'Export and AOT compilation with plain JAX'). Got lowering_platforms{platforms!r}."
   )
 
 

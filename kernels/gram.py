@@ -71,8 +71,8 @@ _MEASURED_LEVELS: dict[str, tuple[tuple[int, int], ...]] = {"cpu": ((2048, 2),)}
 def gram_levels_for(rows: int, platform: str) -> int:
   """The `block_gram` levels measured fastest for ``rows`` rows on ``platform``.
 
-  ``platform`` is a `jax.lax.platform_dependent` name (``"cpu"``, ``"cuda"``,
-  ``"rocm"``, ``"tpu"``). On a CPU, 2 levels (0.75x of a square Newton–Schulz
+  ``platform`` is a platform name as `jax.export` spells it (``"cpu"``,
+  ``"cuda"``, ``"rocm"``, ``"tpu"``). On a CPU, 2 levels (0.75x of a square Newton–Schulz
   step's flops, measured 1.13x-1.23x faster) from 2048 rows; 0 below (measured
   slower or a tie: fewer flops in smaller dots) and on every other platform,
   where no block split was timed yet (``_MEASURED_LEVELS`` has the figures).
