@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import aot_targets
@@ -52,6 +53,23 @@ def test_elementwise_families_compile_with_the_chips_kernels(family, fmt, chip):
   assert _all_kernels(compiled) == auto_kernels(fmt, chip)
   assert _exported_kernels(_fused(tx), chip, FAMILY_TREE, FAMILY_TREE, state) == auto_kernels(
       fmt, chip)
+
+
+@pytest.mark.parametrize("chip", ["v5e", "h100", "a100"])
+@pytest.mark.parametrize("fmt", STATE_FORMATS, ids=str)
+@pytest.mark.parametrize("family", ["adamw", "lion"])
+def test_update_mode_compiles_the_same_choice(family, fmt, chip):
+  # tx.update + optax.apply_updates: the kernels write the updates instead.
+  aot_targets.require(chip)
+  tx = ELEMENTWISE_FAMILIES[family]("auto", fmt)
+  state = jax.eval_shape(tx.init, FAMILY_TREE)
+
+  def step(params, grads, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  compiled = compile_for(step, chip, FAMILY_TREE, FAMILY_TREE, state)
+  assert _all_kernels(compiled) == auto_kernels(fmt, chip)
 
 
 @pytest.mark.parametrize("chip", TPU_TARGETS)
