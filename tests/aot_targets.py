@@ -84,6 +84,9 @@ def devices(name: str):
 
   spec = TOPOLOGIES[name]
   if CHIPS[name][1] == "tpu":
+    # libtpu takes a lockfile for the TPU it drives; a compile-only topology
+    # drives none, so the tier's parallel workers may each load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return topologies.get_topology_desc(topology_name=spec, platform="tpu").devices
   _put_ptxas_on_path()
   config = (_DATA / spec).read_text()
