@@ -93,26 +93,18 @@ class _Flat:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Choice:
-  """What the primitive lowers for a target: ``choose``'s function, made flat."""
+  """What the primitive lowers for a target: ``choose``'s function, wrapped.
 
-  choose: Choose
-  flat: Callable[[Callable[..., Any]], _Flat]
+  ``wrap`` makes a chosen function take the primitive's operands: `_Flat`
+  for a call, `jax.vmap` of the inner choice under a batching rule.
+  """
+
+  choose: Callable[[Target], Callable[..., Any] | None]
+  wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
 
   def __call__(self, target: Target):
     fn = self.choose(target)
-    return None if fn is None else self.flat(fn)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Vmapped:
-  """A choice under `jax.vmap`: each chosen function vmapped the same way."""
-
-  choice: Callable[[Target], Callable[..., Any] | None]
-  in_axes: tuple[int | None, ...]
-
-  def __call__(self, target: Target):
-    fn = self.choice(target)
-    return None if fn is None else jax.vmap(fn, in_axes=self.in_axes)
+    return None if fn is None else self.wrap(fn)
 
 
 def callable_name(fn) -> str:
@@ -268,7 +260,7 @@ def _batching(operands, dims, *, jaxpr, choice):
   in_axes = tuple(d if isinstance(d, int) else None for d in dims)  # None: not mapped
   batched = jax.vmap(jex_core.jaxpr_as_fun(jaxpr), in_axes=in_axes)
   new_jaxpr = _compat.trace_to_closed_jaxpr(batched, [jax.typeof(x) for x in operands])
-  outs = by_target_p.bind(*operands, jaxpr=new_jaxpr, choice=_Vmapped(choice, in_axes))
+  outs = by_target_p.bind(*operands, jaxpr=new_jaxpr, choice=_Choice(choice, functools.partial(jax.vmap, in_axes=in_axes)))
   return outs, [0] * len(outs)
 
 

@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from pallasopt.kernels import _compat
+from pallasopt.kernels import _compat, quant
 from pallasopt.kernels._by_target import by_target, callable_name
 from pallasopt.kernels._target import Target
 
@@ -339,7 +339,8 @@ def dispatch(
 
   def call(*args, **kwargs):
     requirement = cuda_requirement
-    if requirement is None and any(map(_is_fp8, jax.tree.leaves((args, kwargs)))):
+    fp8 = lambda x: hasattr(x, "dtype") and quant.is_float8(x.dtype)
+    if requirement is None and any(map(fp8, jax.tree.leaves((args, kwargs)))):
       requirement = FP8_REQUIREMENT
 
     def choose(target: Target):
@@ -354,8 +355,4 @@ def dispatch(
 
   return _mesh_aware(call, reference, impl, elementwise)
 
-
-def _is_fp8(x) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1
 

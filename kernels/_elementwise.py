@@ -134,8 +134,7 @@ def _kernel(
       # Triton cannot cast a fill value to float8: masked-off lanes of an fp8
       # operand stay undefined. Blockwise views mask whole rows only, and a
       # row's values reach only that row's (masked-off) stores.
-      fp8 = jnp.issubdtype(r.dtype, jnp.floating) and jnp.dtype(r.dtype).itemsize == 1
-      other = None if fp8 else 0
+      other = None if quant.is_float8(r.dtype) else 0
       return pltriton.load(r, mask=row_mask if by_row else mask, other=other).astype(jnp.float32)
 
     def store(r, x, by_row):

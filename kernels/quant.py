@@ -67,6 +67,7 @@ __all__ = [
     "BLOCKWISE",
     "E4M3_MAX",
     "is_blockwise",
+    "is_float8",
     "format_of",
     "scales_shape",
     "decode",
@@ -131,6 +132,11 @@ E4M3_MAX = 448.0
 def is_blockwise(x: object) -> bool:
   """Whether ``x`` is a blockwise-quantized moment (8-bit codes or fp8)."""
   return isinstance(x, tuple(BLOCKWISE.values()))
+
+
+def is_float8(dtype) -> bool:
+  """Whether ``dtype`` is an 8-bit float (fp8 codes), any of JAX's float8 types."""
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
 
 
 def format_of(q: Int8Blockwise | Fp8Blockwise) -> str:

@@ -200,14 +200,16 @@ def named_chip(chip: str):
 
 
 def lowered_text(fn, platform, *args, chip: str | None = None) -> str:
-  """StableHLO of `jax.jit(fn)` exported for `platform` ("tpu" or "cuda"), plain JAX.
+  """StableHLO of `jax.jit(fn)` exported for `platform`, plain JAX.
 
-  Without ``chip`` the export names no device (the platform's baseline chip
-  is assumed); with one, the export is for that chip (`CHIPS`).
+  ``platform``: ``"tpu"``, ``"cuda"``, ``"cpu"`` or a list of them (one
+  artifact with a branch each). Without ``chip`` the export names no device
+  (the platform's baseline chip is assumed); with one, the export is for that
+  chip (`CHIPS`).
   """
-  export = jax.export.export(
-      jax.jit(fn), platforms=[platform], disabled_checks=_DISABLED_CHECKS[platform]
-  )
+  platforms = [platform] if isinstance(platform, str) else list(platform)
+  checks = [c for p in platforms for c in _DISABLED_CHECKS.get(p, ())]
+  export = jax.export.export(jax.jit(fn), platforms=platforms, disabled_checks=checks)
   if chip is None:
     return export(*args).mlir_module()
   with named_chip(chip):

@@ -17,7 +17,7 @@ import pytest
 import pallasopt
 from helpers import (
     CHIPS, CUSTOM_CALL, ELEMENTWISE_FAMILIES, FAMILY_TREE, MOSAIC_GPU_CALL, STATE_FORMATS,
-    assert_close, auto_kernels, lowered_text, named_chip, sds,
+    assert_close, auto_kernels, lowered_text, sds,
 )
 from pallasopt import kernels
 from pallasopt.kernels import _by_target, _dispatch
@@ -30,15 +30,6 @@ _SCALARS = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
 
 def _adamw(impl):
   return lambda p, g, m, v, s: adamw_k.adamw_apply(p, g, m, v, s, impl=impl)
-
-
-def _export(fn, platforms, *args, chip=None):
-  checks = [jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALL["cuda"])]
-  export = jax.export.export(jax.jit(fn), platforms=platforms, disabled_checks=checks)
-  if chip is None:
-    return export(*args).mlir_module()
-  with named_chip(chip):
-    return export(*args).mlir_module()
 
 
 def _kernels(text):
@@ -97,13 +88,13 @@ def test_cpu_jit_runs_the_reference():
 )
 def test_export_carries_the_target_kernel(platforms, chip, expected):
   x = sds((4096, 1024))
-  counts = _kernels(_export(_adamw("auto"), platforms, x, x, x, x, _SCALARS, chip=chip))
+  counts = _kernels(lowered_text(_adamw("auto"), platforms, x, x, x, x, _SCALARS, chip=chip))
   assert {k: counts[k] for k in expected} == expected
 
 
 def test_multi_platform_export_carries_each_kernel_in_its_branch():
   x = sds((4096,))
-  text = _export(_adamw("pallas"), ["tpu", "cuda"], x, x, x, x, _SCALARS)
+  text = lowered_text(_adamw("pallas"), ["tpu", "cuda"], x, x, x, x, _SCALARS)
   assert _kernels(text) == {"tpu": 1, "triton": 1, "mosaic_gpu": 0}
   assert "stablehlo.case" in text
 
@@ -111,7 +102,7 @@ def test_multi_platform_export_carries_each_kernel_in_its_branch():
 def test_exports_of_pallas_need_a_kernel_platform():
   x = sds((4096,))
   with pytest.raises(ValueError, match=r"impl='pallas' cannot run the adamw kernel on platform 'cpu'.*interpret"):
-    _export(_adamw("pallas"), ["cpu"], x, x, x, x, _SCALARS)
+    lowered_text(_adamw("pallas"), ["cpu"], x, x, x, x, _SCALARS)
 
 
 def test_lowering_platforms_was_removed_with_a_clear_error():
@@ -137,14 +128,14 @@ def _int8_or_fp8_adamw(fmt, impl):
 def test_low_bit_state_follows_the_chip(fmt, chip, auto_triton):
   x = sds((4096, 256))
   args = (x, x, x, x, _SCALARS)
-  assert _kernels(_export(_int8_or_fp8_adamw(fmt, "auto"), ["cuda"], *args, chip=chip))[
+  assert _kernels(lowered_text(_int8_or_fp8_adamw(fmt, "auto"), ["cuda"], *args, chip=chip))[
       "triton"] == auto_triton
   pallas = _int8_or_fp8_adamw(fmt, "pallas")
   if auto_triton:
-    assert _kernels(_export(pallas, ["cuda"], *args, chip=chip))["triton"] == 1
+    assert _kernels(lowered_text(pallas, ["cuda"], *args, chip=chip))["triton"] == 1
   else:
     with pytest.raises(ValueError, match=r"adamw GPU kernel cannot run on .*>= 8\.9 .*fp8"):
-      _export(pallas, ["cuda"], *args, chip=chip)
+      lowered_text(pallas, ["cuda"], *args, chip=chip)
 
 
 def _target(kind, platform, capability=None, partitioned=False):
@@ -234,14 +225,14 @@ def test_eager_vmap_and_grad_follow_the_reference_on_cpu():
 def test_vmapped_kernels_export_for_tpu():
   x = sds((3, 4096))
   fn = jax.vmap(_adamw("auto"), in_axes=(0, 0, 0, 0, None))
-  assert _kernels(_export(fn, ["tpu"], x, x, x, x, _SCALARS))["tpu"] == 1
+  assert _kernels(lowered_text(fn, ["tpu"], x, x, x, x, _SCALARS))["tpu"] == 1
 
 
 def test_newton_schulz_gram_levels_follow_each_platform_of_an_export():
   from pallasopt.kernels import newton_schulz as ns
   x, t = sds((2048, 2048)), sds((5, 3))
   dots = lambda platforms: len(re.findall(
-      r"stablehlo.dot_general", _export(ns.newton_schulz_reference, platforms, x, t)))
+      r"stablehlo.dot_general", lowered_text(ns.newton_schulz_reference, platforms, x, t)))
   # CPU: 2 levels from 2048 rows (3 dots per symmetric product + B X); CUDA: full dots.
   assert (dots(["cpu"]), dots(["cuda"])) == (5 * 7, 5 * 3)
   assert dots(["cpu", "cuda"]) == 5 * 7 + 5 * 3
