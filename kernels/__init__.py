@@ -44,7 +44,7 @@ from pallasopt.kernels._dispatch import (
     resolve_impl,
     use_impl,
 )
-from pallasopt.kernels._tiling import TilePlan, plan_tiles
+from pallasopt.kernels._tiling import BlockPlan, leaf_view, plan_blocks
 from pallasopt.kernels.adamw import (
     AdamWScalars,
     adamw_apply,
@@ -82,8 +82,9 @@ __all__ = [
     "resolve_impl",
     "use_impl",
     "lowering_platforms",
-    "TilePlan",
-    "plan_tiles",
+    "BlockPlan",
+    "leaf_view",
+    "plan_blocks",
     # Family modules.
     "adafactor",
     "adamw",

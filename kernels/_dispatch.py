@@ -5,8 +5,10 @@ same signature. `dispatch` turns the pair into the one function to call, from
 an ``impl`` string:
 
 * ``"auto"``: the best measured path of the *chip the call is compiled for*:
-  the Mosaic kernel on TPU; on CUDA GPUs the Triton kernel, or the reference
-  for a family whose Triton kernel was measured slower than XLA there
+  on TPU the Mosaic kernel, or the reference for operands on which a
+  family's kernel moves more bytes than XLA (``auto_on_tpu``); on CUDA GPUs
+  the Triton kernel, or the reference for a family whose Triton kernel was
+  measured slower than XLA there
   (``auto_on_cuda="xla"``, said in that family's docstring) or that the chip
   cannot run (``cuda_requirement``, e.g. fp8 conversions below sm_89); the
   reference on CPUs and anything else.
@@ -190,6 +192,7 @@ def kernel_backend(
     family: str,
     *,
     auto_on_cuda: Literal["pallas", "xla"] = "pallas",
+    auto_on_tpu: Literal["pallas", "xla"] = "pallas",
     cuda_requirement: CudaRequirement | None = None,
 ) -> str | None:
   """The Pallas backend a family's kernel runs with on ``target``, or None for the reference.
@@ -202,6 +205,8 @@ def kernel_backend(
     impl: ``"auto"`` or ``"pallas"``.
     family: the kernel's name, for messages.
     auto_on_cuda: see `dispatch`.
+    auto_on_tpu: what ``"auto"`` runs on this call's operands on a TPU (see
+      `dispatch`).
     cuda_requirement: see `dispatch`.
   """
   if target.partitioned:
@@ -215,7 +220,7 @@ def kernel_backend(
         "the step inside jax.shard_map; impl='auto' runs the XLA reference there."
     )
   if target.platform == "tpu":
-    return "tpu"
+    return "tpu" if impl == "pallas" or auto_on_tpu == "pallas" else None
   if target.platform in ("cuda", "rocm"):
     why_not = (
         cuda_requirement.why_not(target)
@@ -309,6 +314,7 @@ def dispatch(
     impl: str = "auto",
     *,
     auto_on_cuda: Literal["pallas", "xla"] = "pallas",
+    auto_on_tpu: Callable[[Sequence[jax.Array]], Literal["pallas", "xla"]] | None = None,
     cuda_requirement: CudaRequirement | None = None,
     elementwise: bool = False,
 ) -> Callable[..., object]:
@@ -322,6 +328,10 @@ def dispatch(
     auto_on_cuda: what ``"auto"`` runs on a CUDA GPU: the Triton kernel
       (``"pallas"``) or the reference (``"xla"``), for a family whose Triton
       kernel is slower than XLA there. ``impl="pallas"`` still runs Triton.
+    auto_on_tpu: what ``"auto"`` runs on a TPU, ``"pallas"`` or ``"xla"``,
+      as a function of the call's array leaves (their local shards when the
+      call runs per shard): for a family whose kernel pays only on some
+      shapes or modes. None: the kernel everywhere.
     cuda_requirement: what the GPU kernel needs of the chip; on a chip
       without it ``"auto"`` runs the reference and ``"pallas"`` raises.
     elementwise: every output element depends only on the same element of
@@ -343,9 +353,13 @@ def dispatch(
     if requirement is None and any(map(fp8, jax.tree.leaves((args, kwargs)))):
       requirement = FP8_REQUIREMENT
 
+    arrays = [x for x in jax.tree.leaves((args, kwargs)) if hasattr(x, "shape")]
+    on_tpu = "pallas" if auto_on_tpu is None else auto_on_tpu(arrays)
+
     def choose(target: Target):
       backend = kernel_backend(
-          target, impl, family, auto_on_cuda=auto_on_cuda, cuda_requirement=requirement
+          target, impl, family, auto_on_cuda=auto_on_cuda, auto_on_tpu=on_tpu,
+          cuda_requirement=requirement,
       )
       return None if backend is None else functools.partial(
           kernel, backend=backend, interpret=False

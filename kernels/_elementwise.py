@@ -8,8 +8,9 @@ A family writes only its math, as a *body* over f32 values::
 
 and `elementwise_call` does the rest, identically for every family:
 
-* views each operand as the 2-D slab `_tiling.plan_tiles` picks (a free
-  reshape) and walks it with a 2-D grid;
+* takes each operand in its own layout, as the ``(P, R, C)`` view of
+  `_tiling.leaf_view` (a free reshape on every target), and walks it with
+  the 3-D grid of `_tiling.plan_blocks`;
 * passes the per-step scalars (learning rate, bias corrections, ...) as a
   kernel *input*, never as a Python constant, so changing them never
   recompiles: SMEM on TPU, a power-of-two f32 vector with a full block on
@@ -43,7 +44,8 @@ import numpy as np
 
 from pallasopt.kernels import _compat, quant
 from pallasopt.kernels._compat import pl, pltpu, pltriton
-from pallasopt.kernels._tiling import LANES, TilePlan, plan_tiles
+from pallasopt.kernels._dispatch import dispatch
+from pallasopt.kernels._tiling import LANES, BlockPlan, leaf_view, plan_blocks
 
 __all__ = [
     "elementwise_call",
@@ -56,6 +58,11 @@ __all__ = [
     "Moment",
     "per_element",
     "cuda_auto",
+    "tpu_auto",
+    "tiled_in_place",
+    "runs_in_place",
+    "update_dispatch",
+    "TPU_MIN_KERNEL_SIZE",
     "store_moment",
     "updates_dtype",
     "reference_update",
@@ -114,42 +121,114 @@ def scalar_input(
 
 
 def _kernel(
-    scalar_ref, *refs, body: Body, num_scalars: int, num_operands: int,
-    plan: TilePlan, backend: str, row_inputs: frozenset[int], row_outputs: frozenset[int],
-    with_index: bool,
+    scalar_ref, *refs, body: Body, num_scalars: int, num_operands: int, plan: BlockPlan,
+    backend: str, run_inputs: frozenset[int], run_outputs: frozenset[int],
+    run_length: int | None, with_index: bool,
 ):
   in_refs, out_refs = refs[:num_operands], refs[num_operands:]
   scalars = tuple(scalar_ref[k] for k in range(num_scalars))
-  block = plan.block_shape
-  # The view coordinates of the block's elements: Triton masks ragged blocks
-  # with them, and counter-based random bits hash them.
-  row = lambda: pl.program_id(0) * block[0] + jax.lax.broadcasted_iota(jnp.int32, block, 0)
-  col = lambda: pl.program_id(1) * block[1] + jax.lax.broadcasted_iota(jnp.int32, block, 1)
+  _, rows, cols = plan.shape
+  block_rows, block_cols = plan.block
+  width = run_length or block_cols
+  shape = (block_rows, width)
+  first_row = pl.program_id(1) * block_rows
+  row = first_row + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+
+  # The view coordinates of a run's elements: Triton masks ragged blocks with
+  # them, and counter-based random bits hash their flat index.
+  def col(run):
+    return pl.program_id(2) * block_cols + run * width + jax.lax.broadcasted_iota(
+        jnp.int32, shape, 1
+    )
+
+  def extra(run):
+    return {"index": (pl.program_id(0) * rows + row) * cols + col(run)} if with_index else {}
+
   if backend == "triton":
-    mask = (row() < plan.view_shape[0]) & (col() < plan.view_shape[1])
-    row_ids = jax.lax.broadcasted_iota(jnp.int32, (block[0], 1), 0)
-    row_mask = pl.program_id(0) * block[0] + row_ids < plan.view_shape[0]
+    # Triton blocks hold one run each (`_view`).
+    mask = (row < rows) & (col(0) < cols)
+    run_mask = first_row + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0) < rows
 
-    def load(r, by_row):
+    def load(r, by_run):
       # Triton cannot cast a fill value to float8: masked-off lanes of an fp8
-      # operand stay undefined. Blockwise views mask whole rows only, and a
-      # row's values reach only that row's (masked-off) stores.
+      # operand stay undefined. Runs are masked by whole rows, and a row's
+      # values reach only that row's (masked-off) stores.
       other = None if quant.is_float8(r.dtype) else 0
-      return pltriton.load(r, mask=row_mask if by_row else mask, other=other).astype(jnp.float32)
+      return pltriton.load(r, mask=run_mask if by_run else mask, other=other).astype(jnp.float32)
 
-    def store(r, x, by_row):
-      pltriton.store(r, x.astype(r.dtype), mask=row_mask if by_row else mask)
-  else:
-    load = lambda r, by_row: r[...].astype(jnp.float32)
+    values = body(scalars, *(load(r, i in run_inputs) for i, r in enumerate(in_refs)), **extra(0))
+    for k, (ref, value) in enumerate(zip(out_refs, values, strict=True)):
+      pltriton.store(ref, value.astype(ref.dtype), mask=run_mask if k in run_outputs else mask)
+    return
 
-    def store(r, x, by_row):
-      r[...] = x.astype(r.dtype)
+  runs = block_cols // width
+  if runs == 1:
+    values = body(scalars, *(r[...].astype(jnp.float32) for r in in_refs), **extra(0))
+    for ref, value in zip(out_refs, values, strict=True):
+      ref[...] = value.astype(ref.dtype)
+    return
 
-  blocks = (load(r, i in row_inputs) for i, r in enumerate(in_refs))
-  extra = {"index": row() * plan.view_shape[1] + col()} if with_index else {}
-  results = body(scalars, *blocks, **extra)
-  for k, (ref, value) in enumerate(zip(out_refs, results, strict=True)):
-    store(ref, value, k in row_outputs)
+  # TPU, several runs per row of a block: a loop over them. A run input or
+  # output holds one value per (row, run), a (block_rows, runs) block; each
+  # run selects its column, and the outputs gather in the loop's carry.
+  run_col = jax.lax.broadcasted_iota(jnp.int32, (block_rows, runs), 1)
+  whole = {i: in_refs[i][...].astype(jnp.float32) for i in run_inputs}
+
+  def step(run, carried):
+    cut = pl.ds(pl.multiple_of(run * width, width), width)
+    blocks = [
+        jnp.sum(jnp.where(run_col == run, whole[i], 0.0), axis=1, keepdims=True)
+        if i in run_inputs else r[:, cut].astype(jnp.float32)
+        for i, r in enumerate(in_refs)
+    ]
+    carried = iter(carried)
+    gathered = []
+    for k, (ref, value) in enumerate(zip(out_refs, body(scalars, *blocks, **extra(run)),
+                                         strict=True)):
+      if k in run_outputs:
+        gathered.append(jnp.where(run_col == run, value, next(carried)))
+      else:
+        ref[:, cut] = value.astype(ref.dtype)
+    return tuple(gathered)
+
+  zeros = tuple(jnp.zeros((block_rows, runs), jnp.float32) for _ in run_outputs)
+  gathered = jax.lax.fori_loop(0, runs, step, zeros)
+  for k, value in zip(sorted(run_outputs), gathered):
+    out_refs[k][...] = value.astype(out_refs[k].dtype)
+
+
+# TPU: the widest row a kernel over runs takes whole in one block (32 rows of
+# it fit the elements budget of `_tiling.plan_blocks`' blocks twice over).
+_TPU_MAX_RUN_ROW = 8192
+# Triton: elements per block of an elementwise kernel (registers, 4 warps).
+_TRITON_BLOCK_ELEMENTS = 2048
+
+
+def runs_in_place(shape: tuple[int, ...], run_length: int) -> bool:
+  """Whether a TPU kernel over runs of ``run_length`` reads a leaf of ``shape`` as it is.
+
+  True when the runs tile the leaf's rows (its last dim is a multiple of
+  ``run_length``) and a block of whole rows fits; otherwise the kernel views
+  the leaf as rows of one run, ``(size // run_length, run_length)``, a
+  relayout on TPU (free on a GPU).
+  """
+  last = shape[-1] if shape else 1
+  return last % run_length == 0 and last <= _TPU_MAX_RUN_ROW
+
+
+def _view(shape: tuple[int, ...], backend: str, run_length: int | None) -> BlockPlan:
+  """The view and blocks of an elementwise kernel over a leaf of ``shape``."""
+  if run_length is None:
+    return plan_blocks(
+        leaf_view(shape), backend,
+        block_elements=_TRITON_BLOCK_ELEMENTS if backend == "triton" else None,
+    )
+  size = math.prod(shape)
+  if size % run_length:
+    raise ValueError(f"runs of {run_length} need a multiple of {run_length} elements; got {size}.")
+  if backend == "tpu" and runs_in_place(shape, run_length):
+    return plan_blocks(leaf_view(shape), backend, whole_rows=True)
+  return plan_blocks((1, size // run_length, run_length), backend, whole_rows=True)
 
 
 def elementwise_call(
@@ -164,17 +243,20 @@ def elementwise_call(
     aliases: Mapping[int, int] | None = None,
     flops_per_element: int = 0,
     transcendentals_per_element: int = 0,
-    lanes: int = LANES,
-    row_inputs: Sequence[int] = (),
-    row_outputs: Sequence[int] = (),
+    run_length: int | None = None,
+    run_inputs: Sequence[int] = (),
+    run_outputs: Sequence[int] = (),
     with_index: bool = False,
 ) -> tuple[jax.Array, ...]:
   """Runs `body` over same-shaped operands as one fused Pallas kernel.
 
+  The operands reach the kernel in their own layout (`_tiling.leaf_view`):
+  on TPU no copy, reshape or transpose of a leaf appears around the kernel.
+
   Args:
     body: ``body(scalars, *blocks) -> outputs``; all values f32.
-    operands: arrays of one shape (any rank, any size), f32, bf16 or uint8,
-      except the `row_inputs`.
+    operands: arrays of one shape (any rank, any size), f32, bf16 or 8-bit,
+      except the `run_inputs`.
     scalars: per-step 0-d values, passed to the kernel as data.
     out_dtypes: dtype of each output; outputs have the operands' shape.
     backend: ``"tpu"`` (Mosaic TPU) or ``"triton"``.
@@ -183,19 +265,27 @@ def elementwise_call(
     aliases: ``{operand index: output index}`` pairs updated in place.
     flops_per_element: for the cost estimate.
     transcendentals_per_element: for the cost estimate.
-    lanes: the view's row length (see `plan_tiles`); 256 for a kernel that
-      reduces each row of 256 elements.
-    row_inputs: operands holding one value per view row (``size // lanes``
-      elements, any shape); the body sees them as ``(rows, 1)`` blocks.
-    row_outputs: outputs with one value per view row, returned flat.
+    run_length: for a kernel that reduces runs of this many consecutive
+      elements (8-bit state: one scale per block of 256): the body sees
+      ``(rows, run_length)`` blocks, one run per row. The leaf's size must be
+      a multiple of it; see `runs_in_place` for when that costs a relayout.
+    run_inputs: operands holding one value per run, shaped
+      ``shape[:-1] + (shape[-1] // run_length,)`` when `runs_in_place`, else
+      of ``size // run_length`` elements in any shape; the body sees them as
+      ``(rows, 1)`` blocks.
+    run_outputs: outputs with one value per run, returned in the
+      ``(P, R, runs per row)`` view of `_tiling.leaf_view` (reshape them to
+      the run inputs' shape).
     with_index: pass the body ``index=``, the int32 row-major flat index of
       every element of its block (for counter-based random bits).
 
   Returns:
-    The outputs, shaped like the operands (row outputs flat).
+    The outputs, shaped like the operands (run outputs as said above).
   """
-  row_inputs, row_outputs = frozenset(row_inputs), frozenset(row_outputs)
-  full = [x for i, x in enumerate(operands) if i not in row_inputs]
+  run_inputs, run_outputs = frozenset(run_inputs), frozenset(run_outputs)
+  if (run_inputs or run_outputs) and run_length is None:
+    raise ValueError(f"{name}: run inputs and outputs need a run_length.")
+  full = [x for i, x in enumerate(operands) if i not in run_inputs]
   shape = full[0].shape
   for x in full:
     if x.shape != shape:
@@ -206,54 +296,48 @@ def elementwise_call(
   if size == 0:
     return tuple(jnp.zeros(shape, d) for d in out_dtypes)
 
-  plan = plan_tiles(size, backend, lanes=lanes)
-  rows = plan.view_shape[0]
-  block = pl.BlockSpec(plan.block_shape, lambda i, j: (i, j))
-  row_block = pl.BlockSpec((plan.block_shape[0], 1), lambda i, j: (i, 0))
-  if backend == "tpu":
-    scalar_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
-  else:
-    scalar_spec = pl.BlockSpec((_triton_scalar_width(len(scalars)),), lambda i, j: (0,))
-
+  plan = _view(shape, backend, run_length)
+  p, r, c = plan.shape
+  block_rows, block_cols = plan.block
+  run_view = (p, r, c // run_length) if run_length else None
+  block = pl.BlockSpec((None, block_rows, block_cols), lambda b, i, j: (b, i, j))
+  run_block = run_length and pl.BlockSpec(
+      (None, block_rows, block_cols // run_length), lambda b, i, j: (b, i, j)
+  )
+  scalar_vec, scalar_spec = scalar_input(scalars, backend)
   kernel = functools.partial(
       _kernel, body=body, num_scalars=len(scalars), num_operands=len(operands),
-      plan=plan, backend=backend, row_inputs=row_inputs, row_outputs=row_outputs,
-      with_index=with_index,
+      plan=plan, backend=backend, run_inputs=run_inputs, run_outputs=run_outputs,
+      run_length=run_length, with_index=with_index,
   )
+  run_size = size // run_length if run_length else 0
   call = pl.pallas_call(
       kernel,
       out_shape=[
-          jax.ShapeDtypeStruct((rows, 1) if k in row_outputs else plan.view_shape, d)
+          jax.ShapeDtypeStruct(run_view if k in run_outputs else plan.shape, d)
           for k, d in enumerate(out_dtypes)
       ],
       grid=plan.grid,
       in_specs=[scalar_spec]
-      + [row_block if k in row_inputs else block for k in range(len(operands))],
-      out_specs=[row_block if k in row_outputs else block for k in range(len(out_dtypes))],
+      + [run_block if k in run_inputs else block for k in range(len(operands))],
+      out_specs=[run_block if k in run_outputs else block for k in range(len(out_dtypes))],
       # Operand i is pallas_call input i + 1: input 0 is the scalar vector.
       input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
-      compiler_params=_compat.compiler_params(
-          backend, ("parallel", "parallel"), interpret=interpret
-      ),
+      compiler_params=_compat.compiler_params(backend, ("parallel",) * 3, interpret=interpret),
       interpret=interpret,
       name=name,
       cost_estimate=pl.CostEstimate(
           flops=flops_per_element * size,
           transcendentals=transcendentals_per_element * size,
           bytes_accessed=bytes_moved(
-              full + [x for i, x in enumerate(operands) if i in row_inputs], out_dtypes,
-              [rows if k in row_outputs else size for k in range(len(out_dtypes))],
+              full + [x for i, x in enumerate(operands) if i in run_inputs], out_dtypes,
+              [run_size if k in run_outputs else size for k in range(len(out_dtypes))],
           ),
       ),
   )
-  views = [
-      x.reshape((rows, 1) if k in row_inputs else plan.view_shape)
-      for k, x in enumerate(operands)
-  ]
-  outs = call(_scalar_vector(scalars, backend), *views)
-  return tuple(
-      o.reshape(-1) if k in row_outputs else o.reshape(shape) for k, o in enumerate(outs)
-  )
+  views = [x.reshape(run_view if k in run_inputs else plan.shape) for k, x in enumerate(operands)]
+  outs = call(scalar_vec, *views)
+  return tuple(o if k in run_outputs else o.reshape(shape) for k, o in enumerate(outs))
 
 
 # ---- Elementwise optimizer updates: "apply" and "updates" modes. ----
@@ -345,6 +429,87 @@ def cuda_auto(moments: Sequence[Moment]) -> str:
   bench/cases_adamw.py). Neither path has been timed on a GPU yet.
   """
   return "pallas" if any(map(quant.is_blockwise, moments)) else "xla"
+
+
+# Below this many elements a leaf's update is too short for a TPU kernel to
+# pay: at v5e's 819 GB/s the 28 B per element of fused f32 AdamW take ~2 us
+# for 2^16 elements, about the fixed cost of a kernel; XLA fuses such leaves.
+TPU_MIN_KERNEL_SIZE = 1 << 16
+
+
+def tiled_in_place(shape: tuple[int, ...]) -> bool:
+  """Whether XLA keeps a TPU leaf of ``shape`` row-major, as a kernel takes it.
+
+  XLA lays out an array so that its ``(8, 128)`` tiles waste the least: a
+  matrix whose last dim is not a multiple of 128 may get a column-major
+  layout, e.g. (4096, 4097), and an array of three or more dims whose
+  second-last dim is not a multiple of 8 may get its dims permuted, e.g.
+  (4, 1001, 4096); a kernel would pay for either with a copy of every operand
+  and result. Vectors are tiled by 1024 elements and reach a kernel as they
+  are when they hold whole tiles. (Compiled for TPU v5e and v6e from this
+  host, jax 0.10.2.)
+  """
+  if len(shape) <= 1:
+    return math.prod(shape) % (8 * LANES) == 0
+  if len(shape) == 2:
+    rows, cols = shape
+    padded = lambda n, tile: -(-n // tile) * tile
+    return cols % LANES == 0 or (
+        padded(rows, 8) * padded(cols, LANES) <= padded(cols, 8) * padded(rows, LANES)
+    )
+  return shape[-1] % LANES == 0 and shape[-2] % 8 == 0
+
+
+def tpu_auto(moments: Sequence[Moment], mode: str) -> Callable[[Sequence[jax.Array]], str]:
+  """What ``impl="auto"`` runs on a TPU for an update, given the call's arrays.
+
+  The kernel (``"pallas"``) only where the compiled step moves no more bytes
+  than XLA's (compiled for TPU v5e and v6e from this host, the compile tier):
+
+  * in ``"apply"`` mode, on leaves that reach the kernel in place
+    (`tiled_in_place`, and for blockwise moments `runs_in_place`) of at least
+    `TPU_MIN_KERNEL_SIZE` elements;
+  * in ``"updates"`` mode only with blockwise moments: with plain moments
+    XLA fuses the update with the ``optax.apply_updates`` that follows it
+    into one pass, while the kernel writes the updates and XLA reads them back.
+
+  Elsewhere the XLA reference (``"xla"``). The returned function takes the
+  call's array leaves (the local shards when it runs per shard).
+  """
+  blockwise = any(map(quant.is_blockwise, moments))
+
+  def choose(arrays: Sequence[jax.Array]) -> str:
+    leaf = max(arrays, key=lambda x: math.prod(x.shape))
+    shape = tuple(leaf.shape)
+    pays = (
+        (mode == "apply" or blockwise)
+        and math.prod(shape) >= TPU_MIN_KERNEL_SIZE
+        and tiled_in_place(shape)
+        and (not blockwise or runs_in_place(shape, quant.BLOCK))
+    )
+    return "pallas" if pays else "xla"
+
+  return choose
+
+
+def update_dispatch(
+    reference: Callable[..., tuple[Moment, ...]],
+    kernel: Callable[..., tuple[Moment, ...]],
+    impl: str,
+    moments: Sequence[Moment],
+    *,
+    mode: str,
+    roundings: Sequence[str],
+) -> Callable[..., tuple[Moment, ...]]:
+  """`_dispatch.dispatch` of an elementwise update family, with its ``"auto"`` policy.
+
+  `cuda_auto` and `tpu_auto` choose for each target; the update runs per
+  shard under a mesh where it is `per_element`.
+  """
+  return dispatch(
+      reference, kernel, impl, auto_on_cuda=cuda_auto(moments),
+      auto_on_tpu=tpu_auto(moments, mode), elementwise=per_element(moments, *roundings),
+  )
 
 
 def store_moment(
@@ -454,8 +619,9 @@ def kernel_update(
   The kernel is named ``{name}_{mode}``.
 
   Blockwise moments are decoded, updated in f32 and re-encoded with their new
-  per-block absmax in the same pass: the view has rows of one block
-  (`quant.BLOCK` elements), each row's absmax a row reduction. A leaf whose
+  per-block absmax in the same pass: each block (a run of `quant.BLOCK`
+  elements, see `elementwise_call`) is a row of the body's values, its absmax
+  a row reduction. A leaf whose
   size is not a multiple of the block (a ragged last block) runs
   `reference_update` instead, which computes the same codes and scales.
   Stochastic rounding draws its bits from the key and each element's flat
@@ -475,8 +641,8 @@ def kernel_update(
     )
   with_p = p is not None and (mode == "apply" or decay)
   # Operands: g, each moment (an 8-bit one as codes and scales), then p if read.
-  operands, row_inputs = [g], []
-  out_dtypes, row_outputs = [p.dtype if mode == "apply" else updates_dtype(p, g, *moments)], []
+  operands, run_inputs = [g], []
+  out_dtypes, run_outputs = [p.dtype if mode == "apply" else updates_dtype(p, g, *moments)], []
   aliases = {}
   for m, q in zip(moments, quantized, strict=True):
     parts = (m.codes, m.scales) if q else (m,)
@@ -485,8 +651,8 @@ def kernel_update(
       operands.append(part)
       out_dtypes.append(part.dtype)
     if q:
-      row_inputs.append(len(operands) - 1)
-      row_outputs.append(len(out_dtypes) - 1)
+      run_inputs.append(len(operands) - 1)
+      run_outputs.append(len(out_dtypes) - 1)
   if with_p:
     operands.append(p)
     if mode == "apply":
@@ -527,8 +693,8 @@ def kernel_update(
       body, operands, (*scalars, *extra_scalars), out_dtypes,
       backend=backend, interpret=interpret, name=f"{name}_{mode}", aliases=aliases,
       flops_per_element=flops, transcendentals_per_element=transcendentals_per_element,
-      lanes=quant.BLOCK if any(quantized) else LANES, row_inputs=row_inputs,
-      row_outputs=row_outputs, with_index=bool(streams),
+      run_length=quant.BLOCK if any(quantized) else None, run_inputs=run_inputs,
+      run_outputs=run_outputs, with_index=bool(streams),
   ))
   first = next(outs)
   stored = [

@@ -15,7 +15,7 @@ leaf (a free reshape: P matrices of R x C elements):
   operands to outputs for in-place updates.
 
 Blocks are ``(br, bc)`` tiles of one matrix, walked by the grid
-``(P, ceil(R / br), ceil(C / bc))`` (`BlockPlan`). Row vectors travel as
+``(P, ceil(R / br), ceil(C / bc))`` (`_tiling.plan_blocks`). Row vectors travel as
 ``[P, R, 1]`` blocks ``(br, 1)`` and column vectors as ``[P, 1, C]`` blocks
 ``(1, bc)``, so every block is legal on both targets: last two dims multiples
 of (8, 128) or full (Mosaic TPU), power-of-two sizes with masked loads and
@@ -43,7 +43,6 @@ overheads are ``8 / br`` and ``128 / C``: a few percent of the pass.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -54,7 +53,7 @@ import jax.numpy as jnp
 from pallasopt.kernels import _compat
 from pallasopt.kernels._compat import pl, pltriton
 from pallasopt.kernels._elementwise import scalar_input
-from pallasopt.kernels._tiling import check_backend, plan_tiles, pow2_at_least
+from pallasopt.kernels._tiling import LANES, BlockPlan, plan_blocks
 
 __all__ = [
     "FULL",
@@ -62,8 +61,6 @@ __all__ = [
     "COLS",
     "MATRIX",
     "REDUCTIONS",
-    "BlockPlan",
-    "plan_matrix",
     "plan_flat",
     "reduce_call",
     "broadcast_call",
@@ -81,69 +78,18 @@ REDUCTIONS = ("rows", "cols", "total")
 Operand = tuple[str, jax.Array]
 Body = Callable[..., Sequence[jax.Array]]
 
-# TPU: up to 2^17 elements (512 KiB of f32) per full block; blocks of the
-# update pass (g, p, m in; p, m out, double-buffered) fit the default VMEM.
-_TPU_BLOCK_ELEMENTS = 1 << 17
-_TPU_MAX_COLS = 2048
-# Triton keeps a block in registers: 4096 elements over 4 warps.
-_TRITON_BLOCK_ELEMENTS = 4096
-_TRITON_MAX_COLS = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockPlan:
-  """A leaf viewed as ``shape = (P, R, C)`` and tiled by ``block = (br, bc)``."""
-
-  shape: tuple[int, int, int]
-  block: tuple[int, int]
-
-  @property
-  def grid(self) -> tuple[int, int, int]:
-    p, r, c = self.shape
-    return (p, math.ceil(r / self.block[0]), math.ceil(c / self.block[1]))
-
-  @property
-  def size(self) -> int:
-    return math.prod(self.shape)
-
-
 def _nbytes(x: jax.Array) -> int:
   return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
-def _pow2_at_most(x: int) -> int:
-  return 1 << max(0, x.bit_length() - 1)
-
-
-def plan_matrix(shape: tuple[int, int, int], backend: str) -> BlockPlan:
-  """Blocks for P matrices of R x C whose rows and columns both matter.
-
-  TPU: full columns up to 2048 (else 2048-wide blocks) and as many rows as fit
-  2^17 elements (a power of two >= 8, or all R). Triton: power-of-two blocks of
-  at most 128 columns and 4096 elements, masked where ragged.
-  """
-  p, r, c = shape
-  check_backend(backend)
-  if min(shape) <= 0:
-    raise ValueError(f"cannot tile an empty view {shape}.")
-  if backend == "tpu":
-    bc = c if c <= _TPU_MAX_COLS else _TPU_MAX_COLS
-    max_rows = max(8, _pow2_at_most(_TPU_BLOCK_ELEMENTS // bc))
-    br = r if r <= max_rows else max_rows
-  else:
-    bc = min(pow2_at_least(c), _TRITON_MAX_COLS)
-    br = min(pow2_at_least(r), _TRITON_BLOCK_ELEMENTS // bc)
-  return BlockPlan((p, r, c), (br, bc))
-
-
 def plan_flat(matrices: int, size: int, backend: str) -> BlockPlan:
-  """Blocks for `matrices` slices of `size` elements each, viewed elementwise.
+  """Blocks for `matrices` slices of `size` elements each, read in any order.
 
-  Each slice gets `_tiling.plan_tiles`' 2-D view and blocks, so per-slice
-  totals cost what an elementwise pass costs.
+  A slice of a multiple of 128 elements is viewed as rows of 128 (a relayout
+  on TPU unless the slice already has 128 columns), else as one row.
   """
-  tiles = plan_tiles(size, backend)
-  return BlockPlan((matrices, *tiles.view_shape), tiles.block_shape)
+  view = (matrices, size // LANES, LANES) if size % LANES == 0 else (matrices, 1, size)
+  return plan_blocks(view, backend)
 
 
 def _check_operands(name: str, plan: BlockPlan, operands: Sequence[Operand]) -> None:
@@ -256,7 +202,7 @@ def reduce_call(
     scalars: per-call 0-d values, passed to the kernel as data.
     reductions: for each body value, ``"rows"`` (sum over columns),
       ``"cols"`` (sum over rows) or ``"total"`` (sum of each matrix).
-    plan: the view and blocks (`plan_matrix` or `plan_flat`).
+    plan: the view and blocks (`_tiling.plan_blocks` or `plan_flat`).
     backend: ``"tpu"`` or ``"triton"``.
     interpret: run in the Pallas interpreter.
     name: kernel name.

@@ -1,25 +1,26 @@
-"""Mapping any leaf onto blocks that both Pallas targets accept.
+"""Mapping a leaf onto blocks that both Pallas targets accept, in its own layout.
 
-Elementwise kernels see a leaf of ``n`` elements as a 2-D *view* (a free
-reshape, so in-place aliasing survives it):
+Every kernel sees a leaf as a 3-D *view* ``(P, R, C)``: its last two dims as
+they are and its leading dims merged (`leaf_view`; a 1-D leaf is
+``(1, 1, n)``, a scalar ``(1, 1, 1)``). On TPU that view is free: HBM tiles
+an array's last two dims (``(8, 128)`` for 32-bit values), so merging the
+dims above them, or adding unit dims above a vector, is a bitcast, while any
+reshape of the last two dims, such as ``(4096, 4096) -> (131072, 128)``, is a
+physical relayout: a copy of every operand and result around the kernel. On a
+GPU every row-major reshape is free.
 
-* ``n % 128 == 0``: ``(n // 128, 128)``, blocks ``(block_rows, 128)``;
-* otherwise: ``(1, n)``, blocks ``(1, block_lanes)``.
+A grid ``(P, ceil(R / br), ceil(C / bc))`` walks ``(br, bc)`` blocks of one
+matrix (`BlockPlan`). Every block is legal on both targets: its dims are
+multiples of ``(32, 128)`` or whole (Mosaic TPU; 32 rows fill a packed tile
+of 8-bit values), and its element count is a power of two (Triton). The last
+block along each axis may be ragged: TPU pads it (reads past the end are
+garbage, writes are dropped), and the Triton kernels mask their loads and
+stores.
 
-Every block is legal on both targets: its last two dims are multiples of
-``(8, 128)`` or equal to the array's (Mosaic TPU), and its element count is a
-power of two (Triton). The last block along each axis may be ragged; TPU pads
-it, and the Triton kernels mask their loads and stores (see `_elementwise`).
-
-A kernel that reduces along whole rows (8-bit state: one scale per block of
-256 elements) asks for ``lanes=256``: the view is then ``(n // 256, 256)``
-and ``n`` must be a multiple of 256; its TPU blocks have at least 32 rows, a
-whole packed tile of 8-bit codes.
-
-Block sizes differ per backend. TPU pays ~0.35 us per grid step, so its blocks
-are large (up to 512 x 128 elements, 256 KiB per f32 operand, well inside the
-default scoped VMEM even with seven double-buffered operands). Triton keeps a
-block in registers, so its blocks are small (2048 elements with 4 warps).
+Blocks differ per backend. TPU pays ~0.35 us per grid step, so its blocks are
+large (up to 2^17 elements, 512 KiB per f32 operand, inside the default
+scoped VMEM with seven double-buffered operands). Triton keeps a block in
+registers, so its blocks are small.
 """
 
 from __future__ import annotations
@@ -27,47 +28,60 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["BACKENDS", "LANES", "TilePlan", "check_backend", "plan_tiles", "pow2_at_least"]
+__all__ = [
+    "BACKENDS",
+    "LANES",
+    "BlockPlan",
+    "check_backend",
+    "leaf_view",
+    "plan_blocks",
+    "pow2_at_least",
+    "pow2_at_most",
+]
 
 # The Pallas targets every kernel is written for: Mosaic TPU and Triton.
 BACKENDS = ("tpu", "triton")
+# TPU's vector lanes: the minor dim of every HBM and VMEM tile.
 LANES = 128
-# Rows of a block: a multiple of 16 so bf16 operands fill whole packed tiles.
-_MIN_ROWS = 16
-_MAX_ROWS = {"tpu": 512, "triton": 16}
-_MIN_ROWS_8BIT = 32
-_MAX_FLAT_LANES = {"tpu": 8192, "triton": 2048}
+_TPU_BLOCK_ELEMENTS = 1 << 17
+_TPU_MAX_COLS = 2048
+# Rows of a packed 8-bit TPU tile: the least block height that is legal for
+# every dtype a kernel stores.
+_TPU_MIN_ROWS = 32
+# Triton: 4096 elements over 4 warps; blocks of one row may span 4096 columns.
+_TRITON_BLOCK_ELEMENTS = 4096
+_TRITON_MAX_COLS = 128
 
 
 @dataclasses.dataclass(frozen=True)
-class TilePlan:
-  """How a leaf of `size` elements is viewed and blocked.
+class BlockPlan:
+  """A leaf viewed as ``shape = (P, R, C)`` and tiled by ``block = (br, bc)``."""
 
-  Attributes:
-    size: number of elements of the leaf.
-    view_shape: the 2-D shape the leaf is reshaped to.
-    block_shape: the block each grid step reads and writes.
-    grid: the number of blocks along each view axis.
-  """
-
-  size: int
-  view_shape: tuple[int, int]
-  block_shape: tuple[int, int]
+  shape: tuple[int, int, int]
+  block: tuple[int, int]
 
   @property
-  def grid(self) -> tuple[int, int]:
-    return tuple(  # type: ignore[return-value]
-        math.ceil(d / b) for d, b in zip(self.view_shape, self.block_shape)
-    )
+  def grid(self) -> tuple[int, int, int]:
+    p, r, c = self.shape
+    return (p, math.ceil(r / self.block[0]), math.ceil(c / self.block[1]))
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
 
   @property
   def ragged(self) -> bool:
-    return any(d % b for d, b in zip(self.view_shape, self.block_shape))
+    return any(d % b for d, b in zip(self.shape[1:], self.block))
 
 
 def pow2_at_least(x: int) -> int:
   """The smallest power of two >= ``x`` (1 for ``x <= 1``)."""
   return 1 << max(0, (x - 1).bit_length())
+
+
+def pow2_at_most(x: int) -> int:
+  """The largest power of two <= ``x`` (1 for ``x <= 1``)."""
+  return 1 << max(0, x.bit_length() - 1)
 
 
 def check_backend(backend: str) -> None:
@@ -76,33 +90,46 @@ def check_backend(backend: str) -> None:
     raise ValueError(f"backend must be 'tpu' or 'triton'; got {backend!r}.")
 
 
-def plan_tiles(size: int, backend: str, *, lanes: int = LANES) -> TilePlan:
-  """Plans the view and blocks of a leaf with `size` elements.
+def leaf_view(shape: tuple[int, ...]) -> tuple[int, int, int]:
+  """The ``(P, R, C)`` view of a leaf of ``shape``: leading dims merged, last two kept."""
+  if len(shape) == 0:
+    return (1, 1, 1)
+  if len(shape) == 1:
+    return (1, 1, shape[0])
+  return (math.prod(shape[:-2]), shape[-2], shape[-1])
+
+
+def plan_blocks(
+    view: tuple[int, int, int], backend: str, *, whole_rows: bool = False,
+    block_elements: int | None = None,
+) -> BlockPlan:
+  """Blocks for ``view = (P, R, C)``.
+
+  TPU: whole rows up to `_TPU_MAX_COLS` columns (else blocks of that many),
+  and as many rows as fit ``block_elements`` (a power of two >= 32, or all
+  R). Triton: power-of-two blocks of ``block_elements``, at most 128 columns
+  wide unless the view has a single row; masked where ragged.
 
   Args:
-    size: element count of the leaf (0-d leaves have size 1).
-    backend: ``"tpu"`` or ``"triton"``; picks the block size.
-    lanes: the view's row length, a power-of-two multiple of 128; above 128,
-      ``size`` must be a multiple of it.
+    view: the leaf's ``(P, R, C)`` view.
+    backend: ``"tpu"`` or ``"triton"``.
+    whole_rows: every block spans all C columns (a kernel that reduces each
+      row, or each run of a row, in one grid step).
+    block_elements: the budget of elements per block; the backend's default
+      when None (2^17 on TPU, 4096 on Triton).
   """
+  p, r, c = view
   check_backend(backend)
-  if size <= 0:
-    raise ValueError(f"cannot tile an empty leaf (size={size}).")
-  if lanes % LANES or lanes != pow2_at_least(lanes):
-    raise ValueError(f"lanes must be a power-of-two multiple of {LANES}; got {lanes}.")
-  if lanes > LANES:
-    if size % lanes:
-      raise ValueError(
-          f"a view with {lanes} lanes needs a multiple of {lanes} elements; got {size}."
-      )
-    rows = size // lanes
-    # The same element budget per block; 8-bit tiles on TPU are (32, 128).
-    max_rows = _MAX_ROWS[backend] * LANES // lanes
-    block_rows = min(max_rows, max(_MIN_ROWS_8BIT, pow2_at_least(rows)))
-    return TilePlan(size, (rows, lanes), (block_rows, lanes))
-  if size % LANES == 0:
-    rows = size // LANES
-    block_rows = min(_MAX_ROWS[backend], max(_MIN_ROWS, pow2_at_least(rows)))
-    return TilePlan(size, (rows, LANES), (block_rows, LANES))
-  block_lanes = min(_MAX_FLAT_LANES[backend], max(LANES, pow2_at_least(size)))
-  return TilePlan(size, (1, size), (1, block_lanes))
+  if min(view) <= 0:
+    raise ValueError(f"cannot tile an empty view {view}.")
+  if backend == "tpu":
+    budget = block_elements or _TPU_BLOCK_ELEMENTS
+    bc = c if whole_rows or c <= _TPU_MAX_COLS else _TPU_MAX_COLS
+    max_rows = max(_TPU_MIN_ROWS, pow2_at_most(budget // bc))
+    return BlockPlan(view, (r if r <= max_rows else max_rows, bc))
+  budget = block_elements or _TRITON_BLOCK_ELEMENTS
+  if whole_rows:
+    bc = pow2_at_least(c)
+  else:
+    bc = min(pow2_at_least(c), budget if r == 1 else _TRITON_MAX_COLS)
+  return BlockPlan(view, (min(pow2_at_least(r), max(1, budget // bc)), bc))

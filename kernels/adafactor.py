@@ -103,6 +103,7 @@ import numpy as np
 
 from pallasopt.kernels import _reduction as red
 from pallasopt.kernels._dispatch import dispatch
+from pallasopt.kernels._tiling import BlockPlan, plan_blocks
 
 __all__ = [
     "AdafactorScalars",
@@ -355,7 +356,7 @@ class _Direction(NamedTuple):
   does not produce it.
   """
 
-  plan: red.BlockPlan
+  plan: BlockPlan
   operands: list
   fn: Callable
   extra_dtypes: list
@@ -365,14 +366,14 @@ class _Direction(NamedTuple):
   state: tuple | None
 
 
-def _full(plan: red.BlockPlan, x):
+def _full(plan: BlockPlan, x):
   return (red.FULL, x.reshape(plan.shape))
 
 
 def _factored_direction(s, p, g, v_row, v_col, v, view, dims, *, clipping, parameter_scale,
                         call) -> _Direction:
   """Statistics pass (and RMS pass with clipping) of a factored leaf."""
-  plan = red.plan_matrix(view, call["backend"])
+  plan = plan_blocks(view, call["backend"])
   _, rows, cols = view
   d1, d0 = dims
   d0_is_cols = d0 > d1

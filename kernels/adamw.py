@@ -45,12 +45,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._elementwise import (
-    cuda_auto,
     kernel_update,
-    per_element,
     reference_update,
+    update_dispatch,
 )
 
 __all__ = [
@@ -207,9 +205,9 @@ def adamw_apply(
     param_rounding: how bf16 params are stored.
     key: the leaf's random key (`quant.leaf_key`) for stochastic rounding.
   """
-  fn = dispatch(
-      adamw_reference, adamw_kernel, impl, auto_on_cuda=cuda_auto((m, v)),
-      elementwise=per_element((m, v), state_rounding, param_rounding),
+  fn = update_dispatch(
+      adamw_reference, adamw_kernel, impl, (m, v), mode="apply",
+      roundings=(state_rounding, param_rounding),
   )
   return fn(
       p, g, m, v, scalars, key, mode="apply", nesterov=nesterov, decay=decay,
@@ -222,9 +220,9 @@ def adamw_updates(
     decay: bool = True, impl: str = "auto", state_rounding: str = "nearest",
 ):
   """AdamW in Optax form: returns ``(u, m, v)``; ``p`` may be None without decay."""
-  fn = dispatch(
-      adamw_reference, adamw_kernel, impl, auto_on_cuda=cuda_auto((m, v)),
-      elementwise=per_element((m, v), state_rounding),
+  fn = update_dispatch(
+      adamw_reference, adamw_kernel, impl, (m, v), mode="updates",
+      roundings=(state_rounding,),
   )
   return fn(
       p, g, m, v, scalars, key, mode="updates", nesterov=nesterov, decay=decay,

@@ -43,12 +43,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._elementwise import (
-    cuda_auto,
     kernel_update,
-    per_element,
     reference_update,
+    update_dispatch,
 )
 
 __all__ = [
@@ -179,9 +177,9 @@ def lion_apply(
     param_rounding: how bf16 params are stored.
     key: the leaf's random key (`quant.leaf_key`) for stochastic rounding.
   """
-  fn = dispatch(
-      lion_reference, lion_kernel, impl, auto_on_cuda=cuda_auto((m,)),
-      elementwise=per_element((m,), state_rounding, param_rounding),
+  fn = update_dispatch(
+      lion_reference, lion_kernel, impl, (m,), mode="apply",
+      roundings=(state_rounding, param_rounding),
   )
   return fn(
       p, g, m, scalars, key, mode="apply", decay=decay, state_rounding=state_rounding,
@@ -194,9 +192,9 @@ def lion_updates(
     state_rounding: str = "nearest",
 ):
   """Lion in Optax form: returns ``(u, m)``; ``p`` may be None without decay."""
-  fn = dispatch(
-      lion_reference, lion_kernel, impl, auto_on_cuda=cuda_auto((m,)),
-      elementwise=per_element((m,), state_rounding),
+  fn = update_dispatch(
+      lion_reference, lion_kernel, impl, (m,), mode="updates",
+      roundings=(state_rounding,),
   )
   return fn(
       p, g, m, scalars, key, mode="updates", decay=decay, state_rounding=state_rounding,

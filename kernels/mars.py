@@ -28,12 +28,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._elementwise import (
-    cuda_auto,
     kernel_update,
-    per_element,
     reference_update,
+    update_dispatch,
 )
 
 __all__ = [
@@ -169,9 +167,9 @@ def mars_apply(
 ):
   """One fused MARS step: returns ``(p + u, mu, nu, g)`` (see `mars_reference`)."""
   moments = (mu, nu, mog)
-  fn = dispatch(
-      mars_reference, mars_kernel, impl, auto_on_cuda=cuda_auto(moments),
-      elementwise=per_element(moments, state_rounding, param_rounding),
+  fn = update_dispatch(
+      mars_reference, mars_kernel, impl, moments, mode="apply",
+      roundings=(state_rounding, param_rounding),
   )
   return fn(p, g, mu, nu, mog, scalars, key, mode="apply", decay=decay,
             state_rounding=state_rounding, param_rounding=param_rounding)
@@ -183,9 +181,9 @@ def mars_updates(
 ):
   """MARS in Optax form: returns ``(u, mu, nu, g)``; ``p`` is read only with decay."""
   moments = (mu, nu, mog)
-  fn = dispatch(
-      mars_reference, mars_kernel, impl, auto_on_cuda=cuda_auto(moments),
-      elementwise=per_element(moments, state_rounding),
+  fn = update_dispatch(
+      mars_reference, mars_kernel, impl, moments, mode="updates",
+      roundings=(state_rounding,),
   )
   return fn(p if decay else None, g, mu, nu, mog, scalars, key, mode="updates", decay=decay,
             state_rounding=state_rounding)

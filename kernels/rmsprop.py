@@ -40,12 +40,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._elementwise import (
-    cuda_auto,
     kernel_update,
-    per_element,
     reference_update,
+    update_dispatch,
 )
 
 __all__ = [
@@ -195,9 +193,9 @@ def rmsprop_kernel(
 
 
 def _run(p, g, moments, scalars, key, *, mode, impl, rounding, **config):
-  fn = dispatch(
-      rmsprop_reference, rmsprop_kernel, impl, auto_on_cuda=cuda_auto(moments),
-      elementwise=per_element(moments, *rounding.values()),
+  fn = update_dispatch(
+      rmsprop_reference, rmsprop_kernel, impl, moments, mode=mode,
+      roundings=tuple(rounding.values()),
   )
   return fn(p, g, tuple(moments), scalars, key, mode=mode, **config, **rounding)
 

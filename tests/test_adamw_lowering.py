@@ -59,7 +59,7 @@ def test_adamw_transform_lowers_with_one_kernel_per_leaf(platform):
 
 def test_auto_runs_mosaic_on_tpu_and_xla_on_cuda():
   # On CUDA GPUs XLA's fused update was never slower than Triton's (module doc).
-  x = _sds((4096,))
+  x = _sds((1024, 128))
   scalars = adamw_k.adamw_scalars(jnp.int32(1), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
   fn = lambda *a: adamw_k.adamw_apply(*a, impl="auto")
   assert lowered_text(fn, "tpu", x, x, x, x, scalars).count(CUSTOM_CALL["tpu"]) == 1

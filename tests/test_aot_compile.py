@@ -69,7 +69,7 @@ def test_update_mode_compiles_the_same_choice(family, fmt, chip):
     return optax.apply_updates(params, updates), state
 
   compiled = compile_for(step, chip, FAMILY_TREE, FAMILY_TREE, state)
-  assert _all_kernels(compiled) == auto_kernels(fmt, chip)
+  assert _all_kernels(compiled) == auto_kernels(fmt, chip, "updates")
 
 
 @pytest.mark.parametrize("chip", TPU_TARGETS)

@@ -53,7 +53,7 @@ def test_lion_transform_lowers_with_one_kernel_per_leaf(platform):
 
 
 def test_auto_runs_mosaic_on_tpu_and_xla_on_cuda():
-  x = sds((4096,))
+  x = sds((1024, 128))
   fn = lambda *a: lion_k.lion_apply(*a, impl="auto")
   assert lowered_text(fn, "tpu", x, x, x, SCALARS).count(CUSTOM_CALL["tpu"]) == 1
   assert CUSTOM_CALL["cuda"] not in lowered_text(fn, "cuda", x, x, x, SCALARS)

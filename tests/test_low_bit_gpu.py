@@ -16,18 +16,11 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import assert_close, random_array, tolerance
+from helpers import assert_close, assert_nearly_same_codes, random_array, tolerance
 from pallasopt.kernels import adamw as adamw_k, lion as lion_k, quant
 from pallasopt.optim import adamw, convert_state
 
 pytestmark = pytest.mark.gpu
-
-
-def _assert_nearly_same_codes(got, want):
-  assert got.codes.dtype == want.codes.dtype == jnp.uint8
-  codes = np.abs(np.asarray(got.codes, np.int32) - np.asarray(want.codes, np.int32))
-  assert codes.max() <= 1 and np.mean(codes) < 1e-3
-  np.testing.assert_allclose(got.scales, want.scales, rtol=4 * 2**-24)
 
 
 @pytest.mark.parametrize("shape", [(256,), (40, 256), (4096, 1024), (3, 5, 256)], ids=str)
@@ -51,7 +44,7 @@ def test_compiled_int8_triton_kernel_matches_reference(shape, dtype, family):
   want = jax.jit(functools.partial(reference, **config))(p, g, *moments, s, key)
   assert_close(got[0], want[0], tolerance(dtype), operands=(p,))
   for a, b in zip(got[1:], want[1:]):
-    _assert_nearly_same_codes(a, b)
+    assert_nearly_same_codes(a, b)
 
 
 def test_donated_int8_step_under_auto_equals_the_xla_path():
@@ -74,4 +67,4 @@ def test_donated_int8_step_under_auto_equals_the_xla_path():
   for k in params:
     assert_close(p[k], q[k], tolerance(jnp.float32), operands=(params[k],))
   for name in ("mu", "nu"):
-    _assert_nearly_same_codes(getattr(s[0], name)["w"], getattr(r[0], name)["w"])
+    assert_nearly_same_codes(getattr(s[0], name)["w"], getattr(r[0], name)["w"])

@@ -20,7 +20,7 @@ from helpers import (
     assert_close, auto_kernels, lowered_text, sds,
 )
 from pallasopt import kernels
-from pallasopt.kernels import _by_target, _dispatch
+from pallasopt.kernels import _by_target, _dispatch, _elementwise
 from pallasopt.kernels import adamw as adamw_k
 from pallasopt.kernels import quant
 from pallasopt.kernels._target import Target
@@ -108,6 +108,40 @@ def test_exports_of_pallas_need_a_kernel_platform():
 def test_lowering_platforms_was_removed_with_a_clear_error():
   with pytest.raises(ValueError, match=r"lowering_platforms was removed.*jax\.export"):
     kernels.lowering_platforms("tpu")
+
+
+# ---- TPU: a kernel only where the compiled step moves no more bytes than XLA's. ----
+
+
+@pytest.mark.parametrize(
+    "shape,fmt,mode,kernel",
+    [
+        ((4096, 1024), None, "apply", True),
+        ((4096, 1024), None, "updates", False),  # XLA fuses the update with the apply
+        ((4096, 1024), "int8", "updates", True),
+        ((512,), None, "apply", False),  # below TPU_MIN_KERNEL_SIZE
+        (((1 << 16) + 1,), None, "apply", False),  # a vector of partial 1024-tiles
+        ((4096, 4097), None, "apply", False),  # XLA lays it out column-major
+        ((1000, 1000), None, "apply", True),  # row-major pads no more than column-major
+        ((4, 1001, 4096), None, "apply", False),  # XLA permutes its dims
+        ((12, 768, 2304), None, "apply", True),
+        ((50257, 768), None, "apply", True),
+        ((4096, 384), "int8", "apply", False),  # 8-bit blocks would cross its rows
+        ((64, 16384), "int8", "apply", False),  # a row too wide for one block
+    ],
+)
+def test_tpu_auto_takes_the_kernel_where_it_pays(shape, fmt, mode, kernel):
+  x = sds(shape)
+  if fmt is None:
+    m = v = x
+  else:
+    m = jax.eval_shape(functools.partial(quant.quantize, signed=True, fmt=fmt), x)
+    v = jax.eval_shape(functools.partial(quant.quantize, signed=False, fmt=fmt), x)
+  choose = _elementwise.tpu_auto((m, v), mode)
+  assert choose(jax.tree.leaves((x, x, m, v))) == ("pallas" if kernel else "xla")
+  fn = adamw_k.adamw_apply if mode == "apply" else adamw_k.adamw_updates
+  text = lowered_text(functools.partial(fn, impl="auto"), ["tpu"], x, x, m, v, _SCALARS)
+  assert _kernels(text)["tpu"] == int(kernel)
 
 
 # ---- The chip decides: fp8 and wgmma. ----
@@ -223,7 +257,7 @@ def test_eager_vmap_and_grad_follow_the_reference_on_cpu():
 
 
 def test_vmapped_kernels_export_for_tpu():
-  x = sds((3, 4096))
+  x = sds((3, 1 << 16))
   fn = jax.vmap(_adamw("auto"), in_axes=(0, 0, 0, 0, None))
   assert _kernels(lowered_text(fn, ["tpu"], x, x, x, x, _SCALARS))["tpu"] == 1
 

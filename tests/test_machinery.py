@@ -11,48 +11,59 @@ import pallasopt
 from pallasopt import kernels
 from pallasopt.kernels import _compat, _dispatch, _matrix, _reduction
 from pallasopt.kernels import adamw as adamw_k
-from pallasopt.kernels._tiling import LANES, plan_tiles
+from pallasopt.kernels._tiling import LANES, leaf_view, plan_blocks
 
 
 def _legal_for_tpu(view, block):
-  rows_ok = block[0] % 8 == 0 or block[0] == view[0]
-  lanes_ok = block[1] % LANES == 0 or block[1] == view[1]
+  _, rows, cols = view
+  rows_ok = block[0] % 32 == 0 or block[0] == rows
+  lanes_ok = block[1] % LANES == 0 or block[1] == cols
   return rows_ok and lanes_ok
 
 
-@given(
-    size=st.one_of(st.sampled_from([1, 7, 127, 128, 129, 2048, 1_000_003, 2**24]), st.integers(1, 10**7)),
-    backend=st.sampled_from(["tpu", "triton"]),
+_SHAPES = st.lists(st.integers(1, 3000), min_size=0, max_size=4).filter(
+    lambda s: math.prod(s) <= 10**7
 )
-def test_plan_is_legal_for_both_targets_and_covers_the_leaf(size, backend):
-  plan = plan_tiles(size, backend)
-  assert math.prod(plan.view_shape) == size
-  assert _legal_for_tpu(plan.view_shape, plan.block_shape)
-  count = math.prod(plan.block_shape)
-  assert count & (count - 1) == 0 and count <= 2**20  # Triton: power of two.
-  assert all(g * b >= d for g, b, d in zip(plan.grid, plan.block_shape, plan.view_shape))
-  assert all((g - 1) * b < d for g, b, d in zip(plan.grid, plan.block_shape, plan.view_shape))
 
 
-def test_plan_views_multiples_of_128_as_rows_and_others_flat():
-  assert plan_tiles(37 * 128, "triton").view_shape == (37, 128)
-  assert plan_tiles(37 * 128, "triton").ragged
-  assert plan_tiles(1_000_003, "tpu").view_shape == (1, 1_000_003)
-  assert plan_tiles(512 * 128, "tpu").grid == (1, 1)
+@given(shape=_SHAPES, backend=st.sampled_from(["tpu", "triton"]), whole_rows=st.booleans())
+def test_plan_is_legal_for_both_targets_and_covers_the_leaf(shape, backend, whole_rows):
+  shape = tuple(shape)
+  view = leaf_view(shape)
+  assert math.prod(view) == math.prod(shape)
+  assert view[1:] == ((1,) * 2 + shape)[-2:]  # the last two dims as they are
+  plan = plan_blocks(view, backend, whole_rows=whole_rows)
+  if backend == "tpu":
+    assert _legal_for_tpu(view, plan.block)
+  else:
+    count = math.prod(plan.block)
+    assert count & (count - 1) == 0  # Triton: power of two.
+  if whole_rows:
+    assert plan.block[1] >= view[2]
+  assert all(g * b >= d for g, b, d in zip(plan.grid[1:], plan.block, view[1:]))
+  assert all((g - 1) * b < d for g, b, d in zip(plan.grid[1:], plan.block, view[1:]))
 
 
-@pytest.mark.parametrize("bad", [0, -3])
-def test_plan_rejects_empty_sizes(bad):
-  with pytest.raises(ValueError, match="empty leaf"):
-    plan_tiles(bad, "tpu")
+def test_leaf_view_keeps_the_last_two_dims_and_merges_the_rest():
+  assert leaf_view(()) == (1, 1, 1)
+  assert leaf_view((1_000_003,)) == (1, 1, 1_000_003)
+  assert leaf_view((4096, 4097)) == (1, 4096, 4097)
+  assert leaf_view((2, 3, 40, 128)) == (6, 40, 128)
+  assert plan_blocks((1, 4096, 4096), "tpu").block == (64, 2048)
+  assert plan_blocks((1, 37, 128), "triton").ragged
+
+
+@pytest.mark.parametrize("bad", [(1, 0, 3), (0, 1, 1)])
+def test_plan_rejects_empty_views(bad):
+  with pytest.raises(ValueError, match="empty view"):
+    plan_blocks(bad, "tpu")
 
 
 @pytest.mark.parametrize(
     "plan",
     [
-        lambda b: plan_tiles(128, b),
+        lambda b: plan_blocks((1, 1, 128), b),
         lambda b: _matrix.padded_dims(16, 16, b),
-        lambda b: _reduction.plan_matrix((1, 8, 128), b),
         lambda b: _compat.compiler_params(b, ("parallel",)),
     ],
 )

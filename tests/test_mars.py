@@ -22,6 +22,7 @@ from helpers import (
     CUSTOM_CALL,
     ELEMENTWISE_KERNEL_CASES,
     assert_close,
+    assert_nearly_same_codes,
     assert_trees_close,
     lowered_text,
     random_array,
@@ -125,8 +126,15 @@ def test_low_bit_state(fmt):
     for _ in range(2):
       p, s = jax.jit(tx.apply_gradients)(p, grads, s)
     states[impl] = s
-  for a, b in zip(jax.tree.leaves(states["interpret"]), jax.tree.leaves(states["xla"])):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # The interpreter's body and XLA's fused reference are compiled apart: the
+  # f32 moments may differ by an ulp before they are stored (helpers).
+  blockwise = lambda x: isinstance(x, Int8Blockwise)
+  for a, b in zip(jax.tree.leaves(states["interpret"], is_leaf=blockwise),
+                  jax.tree.leaves(states["xla"], is_leaf=blockwise)):
+    if blockwise(a):
+      assert_nearly_same_codes(a, b)
+    else:
+      assert_close(a, b, 2**-8 if a.dtype == jnp.bfloat16 else 4 * 2**-24)
   state = states["xla"][0]
   assert isinstance(state, ScaleByMarsState)
   for tree in (state.mu, state.nu, state.mog):

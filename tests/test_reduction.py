@@ -8,6 +8,7 @@ import pytest
 
 from helpers import CUSTOM_CALL, assert_close, lowered_text, random_array
 from pallasopt.kernels import _reduction as red
+from pallasopt.kernels._tiling import plan_blocks
 
 
 def _operands(rng, shape):
@@ -39,7 +40,7 @@ def _broadcast_body(scalars, x, y, rows, cols, per_matrix):
     ids=str,
 )
 def test_reductions_and_broadcasts_equal_numpy(backend, shape):
-  plan = red.plan_matrix(shape, backend)
+  plan = plan_blocks(shape, backend)
   ops = _operands(np.random.default_rng(0), shape)
   x, y, rows, cols, per_matrix = (np.asarray(a, np.float32) for _, a in ops)
   call = dict(backend=backend, interpret=True)
@@ -71,18 +72,8 @@ def test_flat_plan_sums_each_slice(backend):
   assert_close(total, np.square(np.asarray(x)).reshape(3, -1).sum(1), 1e-6)
 
 
-def test_block_plans_are_legal_for_both_targets():
-  for shape in [(1, 1, 1), (3, 7, 5), (1, 37, 300), (2, 4096, 5000), (1, 1, 100_000)]:
-    br, bc = red.plan_matrix(shape, "tpu").block
-    _, r, c = shape
-    assert (br == r or br % 8 == 0) and (bc == c or bc % 128 == 0)
-    assert br * bc <= 1 << 17
-    br, bc = red.plan_matrix(shape, "triton").block
-    assert br & (br - 1) == 0 and bc & (bc - 1) == 0 and br * bc <= 4096
-
-
 def test_bad_operands_are_reported():
-  plan = red.plan_matrix((1, 4, 4), "tpu")
+  plan = plan_blocks((1, 4, 4), "tpu")
   with pytest.raises(ValueError, match="a 'rows' operand must have shape"):
     red.reduce_call(_reduce_body, [(red.ROWS, jnp.ones((1, 5)))], [1.0], ["rows"], plan,
                     backend="tpu", interpret=True, name="bad")
@@ -98,7 +89,7 @@ def test_bad_operands_are_reported():
 def test_lowers_for_both_targets(platform):
   backend = "tpu" if platform == "tpu" else "triton"
   shape = (3, 4096, 5000)
-  plan = red.plan_matrix(shape, backend)
+  plan = plan_blocks(shape, backend)
   sds = jax.ShapeDtypeStruct
   args = [sds(shape, jnp.float32), sds(shape, jnp.bfloat16), sds(shape[:2], jnp.float32),
           sds(shape[::2], jnp.float32), sds(shape[:1], jnp.float32)]
