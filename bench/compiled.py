@@ -1,182 +1,135 @@
-"""What a compiled step moves, read from the compiled module itself.
+"""``python -m bench.compiled``: what optimizer steps move, compiled for real targets.
 
-A kernel's declared `pl.CostEstimate` is what ``cost_analysis()`` reports for
-it, so neither proves what a step moves. This module reads the compiled
-module's entry computation instead (XLA's HLO after every pass, for the
-target it was compiled for), op by op:
-
-* ``hbm_bytes``: the bytes every top-level op reads and writes in HBM, the
-  sum of its operands' and results' sizes as stored (a TPU's tiled layout
-  pads the tiled dims: a (50257, 3) f32 array stored row-major occupies
-  50264 x 128 elements), leaving out ops that move nothing
-  (parameters, tuples, bitcasts) and arrays in another memory space (a TPU's
-  VMEM, ``S(1)`` in the layout);
-* ``relayouts``: the ops that only move data from one layout to another
-  (copies, transposes, non-bitcast reshapes), with their result's bytes;
-* ``kernels``: Pallas kernels (Mosaic TPU, Triton, Mosaic GPU custom calls);
-* ``xla_bytes``: ``cost_analysis()["bytes accessed"]``, XLA's own count (which
-  takes each kernel's declared estimate verbatim, and counts an array XLA
-  prefetches into VMEM twice: at the copy and at its reader);
-* ``temp_bytes``: ``memory_analysis()``'s temporary buffers.
-
-`python -m bench.compiled` compiles optimizer steps for a compile-only TPU or
-GPU target from this host (the compile tier's targets, BUILD.md) and prints
-these per parameter, against Optax's step compiled the same way.
+Compiles, for a compile-only TPU or GPU target (`pallasopt.compile_check`,
+the ``aot`` extra, ``JAX_PLATFORMS=cpu``), one step of Optax's AdamW and of
+pallasopt's AdamW under ``impl="auto"`` in each mode and state format, on a
+4096 x 4096 leaf and on GPT-2 small's tree, and prints per parameter the
+HBM bytes the compiled module moves and XLA's ``cost_analysis()`` bytes
+(`pallasopt.compile_check.Traffic`), each against Optax's step on the same
+params, with the kernels, the relayouts of 1 MiB or more and the temporary
+memory. The compile tier asserts the same figures (tests/test_aot_compile.py).
+``--json PATH`` writes the rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
+import functools
+import json
 import math
-import re
+import os
+import sys
 
-__all__ = ["Traffic", "traffic", "relayouts_at_least"]
-
-_ITEMSIZE = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}
-_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([\d,]*)\](\{[^}]*\})?")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
-_FREE = frozenset({
-    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
-    "partition-id", "replica-id", "iota", "copy-done", "slice-done",
-})
-# Ops that only move data between layouts. (XLA's asynchronous copies and
-# slices between memory spaces, ``copy-start`` and ``slice-start``, keep the
-# layout: they prefetch into VMEM or evict from it.)
-_RELAYOUT = frozenset({"copy", "transpose", "reshape"})
-# Custom calls that move no data: buffers XLA lays side by side.
-_FREE_CALLS = re.compile(r'custom_call_target="ConcatBitcast"')
-_COLLECTIVE = re.compile(r"^(all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute)")
-_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|mosaic_gpu[^"]*)"')
+CASES = (
+    # (label, pallasopt.optim.adamw kwargs, params dtype, fused)
+    ("update f32", {}, "float32", False),
+    ("fused f32", {}, "float32", True),
+    ("update int8", {"state_format": "int8"}, "float32", False),
+    ("fused int8", {"state_format": "int8"}, "float32", True),
+    ("fused bf16 params, int8", {"state_format": "int8"}, "bfloat16", True),
+)
 
 
-@dataclasses.dataclass(frozen=True)
-class Traffic:
-  """What one compiled module moves (module docstring)."""
+def trees() -> dict:
+  import jax
+  import jax.numpy as jnp
 
-  hbm_bytes: int
-  relayouts: tuple[tuple[str, int], ...]
-  collectives: tuple[str, ...]
-  kernels: int
-  xla_bytes: float | None
-  temp_bytes: int | None
+  from bench import workloads
 
-  @property
-  def relayout_bytes(self) -> int:
-    return sum(b for _, b in self.relayouts)
+  return {
+      "4096x4096": {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)},
+      "gpt2-small": workloads.gpt2(**workloads.GPT2_SMALL).tree,
+  }
 
 
-def _stored_elements(dims: list[int], layout: str) -> int:
-  """Elements an array of ``dims`` occupies in ``layout``, its tiles' padding included.
+def measure(target: str, tree, impl: str = "auto") -> list[dict]:
+  """One row per case of `CASES` (and Optax's steps) on ``tree`` for ``target``."""
+  import jax
+  import jax.numpy as jnp
+  import optax
 
-  A TPU layout ``{1,0:T(8,128)}`` orders the dims minor to major and tiles
-  the minor ones: each tiled dim is padded to a multiple of its tile.
-  """
-  match = re.match(r"\{([\d,]*)(?::T\(([\d,]+)\))?", layout or "")
-  if not dims or match is None or match.group(2) is None:
-    return math.prod(dims)
-  minor_to_major = [int(d) for d in match.group(1).split(",") if d] or list(range(len(dims)))
-  stored = [dims[d] for d in reversed(minor_to_major)]  # major to minor
-  tile = [int(t) for t in match.group(2).split(",")]
-  for i, t in enumerate(tile[-len(stored):], start=len(stored) - min(len(tile), len(stored))):
-    stored[i] = -(-stored[i] // t) * t
-  return math.prod(stored)
+  import pallasopt
+  from pallasopt import compile_check
 
+  def run(tx, params, fused):
+    step = (functools.partial(pallasopt.optim.apply_gradients, tx) if fused
+            else lambda p, g, s: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+    state = jax.eval_shape(tx.init, params)
+    return compile_check.traffic(compile_check.compile_for(
+        step, target, params, params, state, donate_argnums=(0, 2)))
 
-def _bytes(type_text: str, *, hbm_only: bool = True) -> int:
-  """Bytes the arrays of an HLO type occupy (those in HBM, memory space 0, by default)."""
-  total = 0
-  for dtype, dims, layout in _ARRAY.findall(type_text):
-    if hbm_only and layout and re.search(r"\bS\([1-9]", layout):
-      continue
-    total += _ITEMSIZE[dtype] * _stored_elements([int(d) for d in dims.split(",") if d], layout)
-  return total
-
-
-def _in_hbm(type_text: str) -> bool:
-  return _bytes(type_text) > 0 or _bytes(type_text, hbm_only=False) == 0
+  as_dtype = lambda dtype: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), tree)
+  n = sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+  optax_steps = {d: run(optax.adamw(1e-3), as_dtype(d), False) for d in ("float32", "bfloat16")}
+  rows = [dict(case=f"optax.adamw {d}", **_row(t, t, n)) for d, t in optax_steps.items()]
+  for label, kwargs, dtype, fused in CASES:
+    t = run(pallasopt.optim.adamw(1e-3, impl=impl, **kwargs), as_dtype(dtype), fused)
+    rows.append(dict(case=f"{impl} {label}", **_row(t, optax_steps[dtype], n)))
+  return rows
 
 
-def _tuple_elements(type_text: str) -> list[str]:
-  """The top-level elements of an HLO tuple type ``(a, b, ...)``."""
-  inner, depth, start, parts = type_text.strip()[1:-1], 0, 0, []
-  for i, ch in enumerate(inner):
-    depth += ch in "([{"
-    depth -= ch in ")]}"
-    if ch == "," and depth == 0:
-      parts.append(inner[start:i])
-      start = i + 1
-  return parts + [inner[start:]]
-
-
-def _async_bytes(opcode: str, type_text: str) -> int:
-  """HBM bytes of an asynchronous copy or slice between memory spaces.
-
-  ``copy-start`` returns ``(destination, source, context)``; ``slice-start``
-  returns ``((source,), destination, context)``. Each moves the destination's
-  bytes, read from the source's memory space and written to its own.
-  """
-  first, second = _tuple_elements(type_text)[:2]
-  source, destination = (second, first) if opcode == "copy-start" else (first, second)
-  moved = _bytes(destination, hbm_only=False)
-  return moved * (_in_hbm(source) + _in_hbm(destination))
-
-
-def _entry(text: str) -> list[str]:
-  lines = text.splitlines()
-  start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
-  body = []
-  for line in lines[start + 1:]:
-    if line.startswith("}"):
-      break
-    body.append(line)
-  return body
-
-
-def _entry_traffic(text: str) -> tuple[int, list, list, int]:
-  """HBM bytes, relayouts, collectives and kernels of a compiled module's text."""
-  sizes: dict[str, int] = {}
-  hbm, relayouts, collectives, kernels = 0, [], [], 0
-  for line in _entry(text):
-    match = _INSTRUCTION.match(line)
-    if match is None:
-      continue
-    name, type_text, opcode, rest = match.groups()
-    sizes[name] = result = _bytes(type_text)
-    if opcode in _FREE or (opcode == "custom-call" and _FREE_CALLS.search(rest)):
-      continue
-    operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-    if opcode in ("copy-start", "slice-start"):
-      hbm += _async_bytes(opcode, type_text)
-    else:
-      hbm += result + sum(sizes.get(o, 0) for o in operands)
-    if opcode in _RELAYOUT or (opcode == "fusion" and re.match(r"(copy|transpose)", name)):
-      relayouts.append((name, _bytes(type_text, hbm_only=False)))
-    if _COLLECTIVE.match(opcode):
-      collectives.append(opcode)
-    kernels += opcode == "custom-call" and bool(_KERNEL.search(rest))
-  return hbm, relayouts, collectives, kernels
-
-
-def traffic(compiled) -> Traffic:
-  """Measures a ``jax.stages.Compiled`` (module docstring)."""
-  hbm, relayouts, collectives, kernels = _entry_traffic(compiled.as_text())
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  try:
-    temp = compiled.memory_analysis().temp_size_in_bytes
-  except (AttributeError, NotImplementedError):
-    temp = None
-  return Traffic(
-      hbm, tuple(relayouts), tuple(collectives), kernels,
-      (cost or {}).get("bytes accessed"), temp,
+def _row(t, optax_step, n: int) -> dict:
+  return dict(
+      hbm_per_param=t.hbm_bytes / n,
+      hbm_vs_optax=t.hbm_bytes / optax_step.hbm_bytes,
+      xla_per_param=t.xla_bytes / n,
+      xla_vs_optax=t.xla_bytes / optax_step.xla_bytes,
+      kernels=t.kernels,
+      relayouts_1mib=[r for r in t.relayouts if r[1] >= 1 << 20],
+      collectives=list(t.collectives),
+      temp_bytes=t.temp_bytes,
   )
 
 
-def relayouts_at_least(t: Traffic, nbytes: int) -> list[tuple[str, int]]:
-  """The relayouts of ``t`` that move ``nbytes`` or more."""
-  return [(name, b) for name, b in t.relayouts if b >= nbytes]
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m bench.compiled", description=__doc__)
+  parser.add_argument("--target", default="v5e")
+  parser.add_argument("--tree", choices=["4096x4096", "gpt2-small"], action="append")
+  parser.add_argument("--json")
+  args = parser.parse_args(argv)
+  from pallasopt import compile_check
+
+  why = compile_check.missing(args.target)
+  if why is not None:
+    sys.exit(f"cannot compile for {args.target}: {why}")
+  out = {}
+  for name, tree in trees().items():
+    if args.tree and name not in args.tree:
+      continue
+    out[name] = measure(args.target, tree)
+    print(f"{name} on {args.target} (per parameter; ratios against Optax's step "
+          "on params of the same dtype)")
+    for r in out[name]:
+      print(f"  {r['case']:32s} HBM {r['hbm_per_param']:6.2f} B ({r['hbm_vs_optax']:.2f}x)  "
+            f"cost_analysis {r['xla_per_param']:6.2f} B ({r['xla_vs_optax']:.2f}x)  "
+            f"kernels {r['kernels']:3d}  relayouts>=1MiB {len(r['relayouts_1mib'])}  "
+            f"temp {r['temp_bytes'] / 2**20:.1f} MiB")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"target": args.target, **_provenance(), "trees": out}, f, indent=1)
+
+
+def _provenance() -> dict:
+  """The compilers and the commit the figures come from (a compile, not a run)."""
+  import importlib.metadata
+  import subprocess
+
+  import jax
+
+  versions = {}
+  for dist in ("jaxlib", "libtpu", "jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12"):
+    try:
+      versions[dist] = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=False).stdout.strip()
+  return {"measured_on": "CPU host, compile-only target (no TPU ran this)",
+          "jax": jax.__version__, **versions, "commit": commit or None}
+
+
+if __name__ == "__main__":
+  if "jax" not in sys.modules:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  main()

@@ -34,8 +34,9 @@ of the platform the kernels support (`_target.BASELINE_DEVICE_KIND`); name
 the chip with ``jax.sharding.use_abstract_mesh`` (see the README).
 
 Sharded operands. A ``pallas_call`` is never partitioned by XLA. Under a mesh
-in context whose axes are not all manual (``jax.set_mesh``), a family marked
-``elementwise`` runs per shard inside `shard_map` (exact: every element is
+whose axes are not all manual, in context (``jax.set_mesh``) or, with none in
+context, in the operands' types (arrays sharded over Explicit axes), a family
+marked ``elementwise`` runs per shard inside `shard_map` (exact: every element is
 updated on its own) where the operands' types carry their layout (Explicit
 axes); with Auto axes the layout is XLA's to choose, so ``"auto"`` runs the
 reference, and so does any other family under ``"auto"`` (XLA partitions
@@ -248,11 +249,20 @@ def kernel_backend(
 # ---- Kernels under a mesh whose axes are not all manual. ----
 
 
-def _non_manual_mesh():
+def _non_manual_mesh(args) -> tuple[object | None, bool]:
+  """The mesh a call runs under, if not all its axes are manual, and whether it is in context.
+
+  The mesh in context (``jax.set_mesh``), else the mesh of the first operand
+  whose type carries an Explicit sharding (arrays sharded over Explicit axes
+  with no mesh in context), else None.
+  """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.are_all_axes_manual:
-    return None
-  return mesh
+  if not mesh.empty:
+    return (None if mesh.are_all_axes_manual else mesh), True
+  for x in jax.tree.leaves(args):
+    if _compat.explicit_spec(x) is not None and _layouts_known(jax.typeof(x).sharding.mesh):
+      return jax.typeof(x).sharding.mesh, False
+  return None, False
 
 
 def _under_shard_map(fn, mesh, args: Sequence[object], *, per_shard: bool):
@@ -296,14 +306,17 @@ def _mesh_aware(call, reference, impl: str, elementwise: bool):
   """``call`` made legal under a non-manual mesh (module docstring)."""
 
   def run(*args, **kwargs):
-    mesh = _non_manual_mesh()
+    mesh, in_context = _non_manual_mesh(args)
     if mesh is None:
       return call(*args, **kwargs)
     per_shard = elementwise and _layouts_known(mesh)
     if impl == "auto" and not per_shard:
       return reference(*args, **kwargs)
     bound = lambda *a: call(*a, **kwargs)
-    return _under_shard_map(bound, mesh, args, per_shard=per_shard)
+    if in_context:
+      return _under_shard_map(bound, mesh, args, per_shard=per_shard)
+    with jax.sharding.use_abstract_mesh(mesh):
+      return _under_shard_map(bound, mesh, args, per_shard=per_shard)
 
   return run
 

@@ -45,7 +45,9 @@ import numpy as np
 from pallasopt.kernels import _compat, quant
 from pallasopt.kernels._compat import pl, pltpu, pltriton
 from pallasopt.kernels._dispatch import dispatch
-from pallasopt.kernels._tiling import LANES, BlockPlan, leaf_view, plan_blocks
+from pallasopt.kernels._tiling import (
+    LANES, BlockPlan, leaf_view, plan_blocks, pow2_at_least, pow2_at_most,
+)
 
 __all__ = [
     "elementwise_call",
@@ -60,7 +62,7 @@ __all__ = [
     "cuda_auto",
     "tpu_auto",
     "tiled_in_place",
-    "runs_in_place",
+    "blocks_in_place",
     "update_dispatch",
     "TPU_MIN_KERNEL_SIZE",
     "store_moment",
@@ -120,16 +122,29 @@ def scalar_input(
   return vec, pl.BlockSpec(vec.shape, lambda *_: (0,))
 
 
+def _as_column(row):
+  """A ``(1, n)`` row as an ``(n, 1)`` column, inside a kernel.
+
+  Mosaic transposes whole (8, 128) tiles: the row is broadcast to 8 rows.
+  """
+  return jnp.transpose(jnp.broadcast_to(row, (8, row.shape[1])))[:, :1]
+
+
+def _as_row(column):
+  """An ``(n, 1)`` column as a ``(1, n)`` row, inside a kernel (see `_as_column`)."""
+  return jnp.transpose(jnp.broadcast_to(column, (column.shape[0], LANES)))[:1, :]
+
+
 def _kernel(
     scalar_ref, *refs, body: Body, num_scalars: int, num_operands: int, plan: BlockPlan,
-    backend: str, run_inputs: frozenset[int], run_outputs: frozenset[int],
-    run_length: int | None, with_index: bool,
+    backend: str, block_inputs: frozenset[int], block_outputs: frozenset[int],
+    blockwise: bool, in_place: bool, with_index: bool,
 ):
   in_refs, out_refs = refs[:num_operands], refs[num_operands:]
   scalars = tuple(scalar_ref[k] for k in range(num_scalars))
   _, rows, cols = plan.shape
   block_rows, block_cols = plan.block
-  width = run_length or block_cols
+  width = quant.BLOCK if blockwise else block_cols
   shape = (block_rows, width)
   first_row = pl.program_id(1) * block_rows
   row = first_row + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
@@ -145,90 +160,112 @@ def _kernel(
     return {"index": (pl.program_id(0) * rows + row) * cols + col(run)} if with_index else {}
 
   if backend == "triton":
-    # Triton blocks hold one run each (`_view`).
+    # A Triton block is one run of `width` columns (`_plan`).
     mask = (row < rows) & (col(0) < cols)
-    run_mask = first_row + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0) < rows
+    column_mask = first_row + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0) < rows
+    row_mask = first_row + jax.lax.broadcasted_iota(jnp.int32, (1, block_rows), 1) < rows
 
-    def load(r, by_run):
+    def load(r, per_block):
       # Triton cannot cast a fill value to float8: masked-off lanes of an fp8
-      # operand stay undefined. Runs are masked by whole rows, and a row's
+      # operand stay undefined. Blocks are masked by whole rows, and a row's
       # values reach only that row's (masked-off) stores.
       other = None if quant.is_float8(r.dtype) else 0
-      return pltriton.load(r, mask=run_mask if by_run else mask, other=other).astype(jnp.float32)
+      if not per_block:
+        return pltriton.load(r, mask=mask, other=other).astype(jnp.float32)
+      if in_place:  # one value per row, stored as a (1, block_rows) row
+        return pltriton.load(r, mask=row_mask, other=0).astype(jnp.float32).reshape(-1, 1)
+      return pltriton.load(r, mask=column_mask, other=0).astype(jnp.float32)
 
-    values = body(scalars, *(load(r, i in run_inputs) for i, r in enumerate(in_refs)), **extra(0))
+    values = body(scalars, *(load(r, i in block_inputs) for i, r in enumerate(in_refs)),
+                  **extra(0))
     for k, (ref, value) in enumerate(zip(out_refs, values, strict=True)):
-      pltriton.store(ref, value.astype(ref.dtype), mask=run_mask if k in run_outputs else mask)
+      value = value.astype(ref.dtype)
+      if k not in block_outputs:
+        pltriton.store(ref, value, mask=mask)
+      elif in_place:
+        pltriton.store(ref, value.reshape(1, -1), mask=row_mask)
+      else:
+        pltriton.store(ref, value, mask=column_mask)
     return
 
   runs = block_cols // width
-  if runs == 1:
+  if runs == 1 and not in_place:
     values = body(scalars, *(r[...].astype(jnp.float32) for r in in_refs), **extra(0))
     for ref, value in zip(out_refs, values, strict=True):
       ref[...] = value.astype(ref.dtype)
     return
 
-  # TPU, several runs per row of a block: a loop over them. A run input or
-  # output holds one value per (row, run), a (block_rows, runs) block; each
-  # run selects its column, and the outputs gather in the loop's carry.
-  run_col = jax.lax.broadcasted_iota(jnp.int32, (block_rows, runs), 1)
-  whole = {i: in_refs[i][...].astype(jnp.float32) for i in run_inputs}
-
-  def step(run, carried):
+  # TPU, a matrix's blocks in place: a loop over the runs of the block's rows.
+  # Per-block values are (runs, block_rows) blocks, one row per run.
+  def step(run, carry):
     cut = pl.ds(pl.multiple_of(run * width, width), width)
     blocks = [
-        jnp.sum(jnp.where(run_col == run, whole[i], 0.0), axis=1, keepdims=True)
-        if i in run_inputs else r[:, cut].astype(jnp.float32)
+        _as_column(r[pl.ds(run, 1), :].astype(jnp.float32)) if i in block_inputs
+        else r[:, cut].astype(jnp.float32)
         for i, r in enumerate(in_refs)
     ]
-    carried = iter(carried)
-    gathered = []
     for k, (ref, value) in enumerate(zip(out_refs, body(scalars, *blocks, **extra(run)),
                                          strict=True)):
-      if k in run_outputs:
-        gathered.append(jnp.where(run_col == run, value, next(carried)))
+      if k in block_outputs:
+        ref[pl.ds(run, 1), :] = _as_row(value).astype(ref.dtype)
       else:
         ref[:, cut] = value.astype(ref.dtype)
-    return tuple(gathered)
+    return carry
 
-  zeros = tuple(jnp.zeros((block_rows, runs), jnp.float32) for _ in run_outputs)
-  gathered = jax.lax.fori_loop(0, runs, step, zeros)
-  for k, value in zip(sorted(run_outputs), gathered):
-    out_refs[k][...] = value.astype(out_refs[k].dtype)
+  jax.lax.fori_loop(0, runs, step, 0)
 
 
-# TPU: the widest row a kernel over runs takes whole in one block (32 rows of
-# it fit the elements budget of `_tiling.plan_blocks`' blocks twice over).
-_TPU_MAX_RUN_ROW = 8192
+# TPU blocks of a matrix read in place by a blockwise kernel: whole runs of
+# columns (2048, or the whole row where its runs are not a multiple of 8, the
+# scales' second-last dim), and rows in multiples of 128 (the scales' last
+# dim) up to 2^18 elements; rows wider than 2^19 / 128 elements do not fit.
+_TPU_BLOCKWISE_COLS = 2048
+_TPU_BLOCKWISE_ELEMENTS = 1 << 18
+_TPU_MAX_BLOCKWISE_ELEMENTS = 1 << 19
 # Triton: elements per block of an elementwise kernel (registers, 4 warps).
 _TRITON_BLOCK_ELEMENTS = 2048
 
 
-def runs_in_place(shape: tuple[int, ...], run_length: int) -> bool:
-  """Whether a TPU kernel over runs of ``run_length`` reads a leaf of ``shape`` as it is.
+def _tpu_blockwise_block(rows: int, cols: int) -> tuple[int, int] | None:
+  runs = cols // quant.BLOCK
+  block_cols = cols if cols <= _TPU_BLOCKWISE_COLS or runs % 8 else _TPU_BLOCKWISE_COLS
+  max_rows = max(LANES, pow2_at_most(_TPU_BLOCKWISE_ELEMENTS // block_cols))
+  block_rows = rows if rows <= max_rows else max_rows
+  if block_rows * block_cols > _TPU_MAX_BLOCKWISE_ELEMENTS:
+    return None
+  return block_rows, block_cols
 
-  True when the runs tile the leaf's rows (its last dim is a multiple of
-  ``run_length``) and a block of whole rows fits; otherwise the kernel views
-  the leaf as rows of one run, ``(size // run_length, run_length)``, a
-  relayout on TPU (free on a GPU).
+
+def blocks_in_place(shape: tuple[int, ...]) -> bool:
+  """Whether a TPU kernel over blockwise state reads a leaf of ``shape`` as it is.
+
+  True for a matrix whose rows hold whole blocks (`quant.rows_hold_blocks`)
+  and fit a block; otherwise the kernel views the leaf as rows of one block,
+  ``(size // BLOCK, BLOCK)``, a relayout on TPU (free on a GPU).
   """
-  last = shape[-1] if shape else 1
-  return last % run_length == 0 and last <= _TPU_MAX_RUN_ROW
+  return quant.rows_hold_blocks(shape) and _tpu_blockwise_block(*shape[-2:]) is not None
 
 
-def _view(shape: tuple[int, ...], backend: str, run_length: int | None) -> BlockPlan:
-  """The view and blocks of an elementwise kernel over a leaf of ``shape``."""
-  if run_length is None:
+def _plan(shape: tuple[int, ...], backend: str, blockwise: bool) -> tuple[BlockPlan, bool]:
+  """The view and blocks of an elementwise kernel over a leaf of ``shape``.
+
+  Returns the plan and whether blockwise state is read in place.
+  """
+  if not blockwise:
     return plan_blocks(
         leaf_view(shape), backend,
         block_elements=_TRITON_BLOCK_ELEMENTS if backend == "triton" else None,
-    )
+    ), False
   size = math.prod(shape)
-  if size % run_length:
-    raise ValueError(f"runs of {run_length} need a multiple of {run_length} elements; got {size}.")
-  if backend == "tpu" and runs_in_place(shape, run_length):
-    return plan_blocks(leaf_view(shape), backend, whole_rows=True)
-  return plan_blocks((1, size // run_length, run_length), backend, whole_rows=True)
+  if size % quant.BLOCK:
+    raise ValueError(f"blockwise state needs whole blocks of {quant.BLOCK}; got {size} elements.")
+  view = leaf_view(shape)
+  if backend == "triton" and quant.rows_hold_blocks(shape):
+    rows = min(pow2_at_least(view[1]), _TRITON_BLOCK_ELEMENTS // quant.BLOCK)
+    return BlockPlan(view, (rows, quant.BLOCK)), True
+  if backend == "tpu" and blocks_in_place(shape):
+    return BlockPlan(view, _tpu_blockwise_block(*view[1:])), True
+  return plan_blocks((1, size // quant.BLOCK, quant.BLOCK), backend, whole_rows=True), False
 
 
 def elementwise_call(
@@ -243,9 +280,9 @@ def elementwise_call(
     aliases: Mapping[int, int] | None = None,
     flops_per_element: int = 0,
     transcendentals_per_element: int = 0,
-    run_length: int | None = None,
-    run_inputs: Sequence[int] = (),
-    run_outputs: Sequence[int] = (),
+    blockwise: bool = False,
+    block_inputs: Sequence[int] = (),
+    block_outputs: Sequence[int] = (),
     with_index: bool = False,
 ) -> tuple[jax.Array, ...]:
   """Runs `body` over same-shaped operands as one fused Pallas kernel.
@@ -256,7 +293,7 @@ def elementwise_call(
   Args:
     body: ``body(scalars, *blocks) -> outputs``; all values f32.
     operands: arrays of one shape (any rank, any size), f32, bf16 or 8-bit,
-      except the `run_inputs`.
+      except the `block_inputs`.
     scalars: per-step 0-d values, passed to the kernel as data.
     out_dtypes: dtype of each output; outputs have the operands' shape.
     backend: ``"tpu"`` (Mosaic TPU) or ``"triton"``.
@@ -265,27 +302,24 @@ def elementwise_call(
     aliases: ``{operand index: output index}`` pairs updated in place.
     flops_per_element: for the cost estimate.
     transcendentals_per_element: for the cost estimate.
-    run_length: for a kernel that reduces runs of this many consecutive
-      elements (8-bit state: one scale per block of 256): the body sees
-      ``(rows, run_length)`` blocks, one run per row. The leaf's size must be
-      a multiple of it; see `runs_in_place` for when that costs a relayout.
-    run_inputs: operands holding one value per run, shaped
-      ``shape[:-1] + (shape[-1] // run_length,)`` when `runs_in_place`, else
-      of ``size // run_length`` elements in any shape; the body sees them as
-      ``(rows, 1)`` blocks.
-    run_outputs: outputs with one value per run, returned in the
-      ``(P, R, runs per row)`` view of `_tiling.leaf_view` (reshape them to
-      the run inputs' shape).
+    blockwise: for a kernel over blockwise state (`quant`): the body sees
+      ``(rows, quant.BLOCK)`` values, one block per row. The leaf's size must
+      be a multiple of the block; see `blocks_in_place` for when that costs
+      a relayout on TPU.
+    block_inputs: operands holding one value per block, in the layout of
+      `quant.scales_shape`; the body sees them as ``(rows, 1)`` values.
+    block_outputs: outputs with one value per block, returned in the layout
+      of `quant.scales_shape`.
     with_index: pass the body ``index=``, the int32 row-major flat index of
       every element of its block (for counter-based random bits).
 
   Returns:
-    The outputs, shaped like the operands (run outputs as said above).
+    The outputs, shaped like the operands (block outputs as said above).
   """
-  run_inputs, run_outputs = frozenset(run_inputs), frozenset(run_outputs)
-  if (run_inputs or run_outputs) and run_length is None:
-    raise ValueError(f"{name}: run inputs and outputs need a run_length.")
-  full = [x for i, x in enumerate(operands) if i not in run_inputs]
+  block_inputs, block_outputs = frozenset(block_inputs), frozenset(block_outputs)
+  if (block_inputs or block_outputs) and not blockwise:
+    raise ValueError(f"{name}: per-block inputs and outputs need blockwise=True.")
+  full = [x for i, x in enumerate(operands) if i not in block_inputs]
   shape = full[0].shape
   for x in full:
     if x.shape != shape:
@@ -296,31 +330,47 @@ def elementwise_call(
   if size == 0:
     return tuple(jnp.zeros(shape, d) for d in out_dtypes)
 
-  plan = _view(shape, backend, run_length)
+  plan, in_place = _plan(shape, backend, blockwise)
   p, r, c = plan.shape
   block_rows, block_cols = plan.block
-  run_view = (p, r, c // run_length) if run_length else None
   block = pl.BlockSpec((None, block_rows, block_cols), lambda b, i, j: (b, i, j))
-  run_block = run_length and pl.BlockSpec(
-      (None, block_rows, block_cols // run_length), lambda b, i, j: (b, i, j)
-  )
+  if in_place:  # the scales' layout: (P, runs per row, R)
+    per_block_view = (p, c // quant.BLOCK, r)
+    per_block = pl.BlockSpec(
+        (None, block_cols // quant.BLOCK, block_rows), lambda b, i, j: (b, j, i)
+    )
+  else:  # rows of one block: one value per row
+    per_block_view = (p, r, 1)
+    per_block = pl.BlockSpec((None, block_rows, 1), lambda b, i, j: (b, i, 0))
+  scales_layout = quant.scales_shape(shape)
+
+  def to_view(x):
+    if not in_place and quant.rows_hold_blocks(shape):  # rows last -> blocks in flat order
+      x = jnp.swapaxes(x, -1, -2)
+    return x.reshape(per_block_view)
+
+  def from_view(x):
+    if not in_place and quant.rows_hold_blocks(shape):
+      return jnp.swapaxes(x.reshape(scales_layout[:-2] + scales_layout[:-3:-1]), -1, -2)
+    return x.reshape(scales_layout)
+
   scalar_vec, scalar_spec = scalar_input(scalars, backend)
   kernel = functools.partial(
       _kernel, body=body, num_scalars=len(scalars), num_operands=len(operands),
-      plan=plan, backend=backend, run_inputs=run_inputs, run_outputs=run_outputs,
-      run_length=run_length, with_index=with_index,
+      plan=plan, backend=backend, block_inputs=block_inputs, block_outputs=block_outputs,
+      blockwise=blockwise, in_place=in_place, with_index=with_index,
   )
-  run_size = size // run_length if run_length else 0
+  blocks = size // quant.BLOCK if blockwise else 0
   call = pl.pallas_call(
       kernel,
       out_shape=[
-          jax.ShapeDtypeStruct(run_view if k in run_outputs else plan.shape, d)
+          jax.ShapeDtypeStruct(per_block_view if k in block_outputs else plan.shape, d)
           for k, d in enumerate(out_dtypes)
       ],
       grid=plan.grid,
       in_specs=[scalar_spec]
-      + [run_block if k in run_inputs else block for k in range(len(operands))],
-      out_specs=[run_block if k in run_outputs else block for k in range(len(out_dtypes))],
+      + [per_block if k in block_inputs else block for k in range(len(operands))],
+      out_specs=[per_block if k in block_outputs else block for k in range(len(out_dtypes))],
       # Operand i is pallas_call input i + 1: input 0 is the scalar vector.
       input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
       compiler_params=_compat.compiler_params(backend, ("parallel",) * 3, interpret=interpret),
@@ -330,14 +380,17 @@ def elementwise_call(
           flops=flops_per_element * size,
           transcendentals=transcendentals_per_element * size,
           bytes_accessed=bytes_moved(
-              full + [x for i, x in enumerate(operands) if i in run_inputs], out_dtypes,
-              [run_size if k in run_outputs else size for k in range(len(out_dtypes))],
+              full + [x for i, x in enumerate(operands) if i in block_inputs], out_dtypes,
+              [blocks if k in block_outputs else size for k in range(len(out_dtypes))],
           ),
       ),
   )
-  views = [x.reshape(run_view if k in run_inputs else plan.shape) for k, x in enumerate(operands)]
+  views = [to_view(x) if k in block_inputs else x.reshape(plan.shape)
+           for k, x in enumerate(operands)]
   outs = call(scalar_vec, *views)
-  return tuple(o if k in run_outputs else o.reshape(shape) for k, o in enumerate(outs))
+  return tuple(
+      from_view(o) if k in block_outputs else o.reshape(shape) for k, o in enumerate(outs)
+  )
 
 
 # ---- Elementwise optimizer updates: "apply" and "updates" modes. ----
@@ -398,11 +451,13 @@ def _rounded_streams(
   return frozenset(streams)
 
 
-def _check_signed(moments, signed: Sequence[bool]) -> None:
+def _check_blockwise(moments, signed: Sequence[bool]) -> None:
   if any(map(quant.is_blockwise, moments)) and len(signed) != len(moments):
     raise ValueError(
         f"blockwise moments need one signed flag per moment; got {len(signed)} for {len(moments)}."
     )
+  for m in filter(quant.is_blockwise, moments):
+    quant.check_scales(m)
 
 
 def per_element(moments: Sequence[Moment], *roundings: str) -> bool:
@@ -467,7 +522,7 @@ def tpu_auto(moments: Sequence[Moment], mode: str) -> Callable[[Sequence[jax.Arr
   than XLA's (compiled for TPU v5e and v6e from this host, the compile tier):
 
   * in ``"apply"`` mode, on leaves that reach the kernel in place
-    (`tiled_in_place`, and for blockwise moments `runs_in_place`) of at least
+    (`tiled_in_place`, and for blockwise moments `blocks_in_place`) of at least
     `TPU_MIN_KERNEL_SIZE` elements;
   * in ``"updates"`` mode only with blockwise moments: with plain moments
     XLA fuses the update with the ``optax.apply_updates`` that follows it
@@ -485,7 +540,7 @@ def tpu_auto(moments: Sequence[Moment], mode: str) -> Callable[[Sequence[jax.Arr
         (mode == "apply" or blockwise)
         and math.prod(shape) >= TPU_MIN_KERNEL_SIZE
         and tiled_in_place(shape)
-        and (not blockwise or runs_in_place(shape, quant.BLOCK))
+        and (not blockwise or blocks_in_place(shape))
     )
     return "pallas" if pays else "xla"
 
@@ -567,7 +622,7 @@ def reference_update(
       anything is rounded stochastically.
   """
   check_update_mode(mode, p, decay)
-  _check_signed(moments, signed)
+  _check_blockwise(moments, signed)
   streams = _rounded_streams(
       p, moments, mode=mode, state_rounding=state_rounding, param_rounding=param_rounding,
       key=key,
@@ -628,7 +683,7 @@ def kernel_update(
   index, exactly as the reference does.
   """
   check_update_mode(mode, p, decay)
-  _check_signed(moments, signed)
+  _check_blockwise(moments, signed)
   streams = _rounded_streams(
       p, moments, mode=mode, state_rounding=state_rounding, param_rounding=param_rounding,
       key=key,
@@ -641,8 +696,8 @@ def kernel_update(
     )
   with_p = p is not None and (mode == "apply" or decay)
   # Operands: g, each moment (an 8-bit one as codes and scales), then p if read.
-  operands, run_inputs = [g], []
-  out_dtypes, run_outputs = [p.dtype if mode == "apply" else updates_dtype(p, g, *moments)], []
+  operands, block_inputs = [g], []
+  out_dtypes, block_outputs = [p.dtype if mode == "apply" else updates_dtype(p, g, *moments)], []
   aliases = {}
   for m, q in zip(moments, quantized, strict=True):
     parts = (m.codes, m.scales) if q else (m,)
@@ -651,8 +706,8 @@ def kernel_update(
       operands.append(part)
       out_dtypes.append(part.dtype)
     if q:
-      run_inputs.append(len(operands) - 1)
-      run_outputs.append(len(out_dtypes) - 1)
+      block_inputs.append(len(operands) - 1)
+      block_outputs.append(len(out_dtypes) - 1)
   if with_p:
     operands.append(p)
     if mode == "apply":
@@ -693,12 +748,12 @@ def kernel_update(
       body, operands, (*scalars, *extra_scalars), out_dtypes,
       backend=backend, interpret=interpret, name=f"{name}_{mode}", aliases=aliases,
       flops_per_element=flops, transcendentals_per_element=transcendentals_per_element,
-      run_length=quant.BLOCK if any(quantized) else None, run_inputs=run_inputs,
-      run_outputs=run_outputs, with_index=bool(streams),
+      blockwise=any(quantized), block_inputs=block_inputs, block_outputs=block_outputs,
+      with_index=bool(streams),
   ))
   first = next(outs)
   stored = [
-      type(m)(next(outs), next(outs).reshape(m.scales.shape)) if q else next(outs)
+      type(m)(next(outs), next(outs)) if q else next(outs)
       for m, q in zip(moments, quantized, strict=True)
   ]
   return (first, *stored)

@@ -70,6 +70,9 @@ __all__ = [
     "is_float8",
     "format_of",
     "scales_shape",
+    "rows_hold_blocks",
+    "from_row_major_scales",
+    "check_scales",
     "decode",
     "encode",
     "quantize_rows",
@@ -102,8 +105,10 @@ class Int8Blockwise(NamedTuple):
   Attributes:
     codes: uint8, the moment's shape: the rank of each element's map value.
     scales: f32, the absmax of each block of `BLOCK` elements, shaped by
-      `scales_shape` (the trailing dims that hold whole blocks are merged,
-      so the scales shard like the params along every leading dim).
+      `scales_shape`: for a matrix whose rows hold whole blocks,
+      ``(..., blocks per row, rows)``, the layout a TPU stores without
+      padding, so a kernel reads the scales as they are and they shard like
+      the params' rows.
   """
 
   codes: jax.Array
@@ -144,13 +149,29 @@ def format_of(q: Int8Blockwise | Fp8Blockwise) -> str:
   return "fp8" if isinstance(q, Fp8Blockwise) else "int8"
 
 
+def rows_hold_blocks(shape: tuple[int, ...]) -> bool:
+  """Whether a moment of ``shape`` has rows of whole blocks (2 or more dims)."""
+  return len(shape) >= 2 and shape[-1] % BLOCK == 0
+
+
 def scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
   """The shape of the per-block scales of a moment of ``shape``.
 
-  ``shape[:k] + (blocks,)`` with ``k`` the most leading dims whose trailing
-  product is a whole number of blocks; ``(ceil(size / BLOCK),)`` when no
-  trailing product is (the last block is then ragged).
+  Rows of whole blocks (`rows_hold_blocks`): ``shape[:-2] + (shape[-1] //
+  BLOCK, shape[-2])``, the blocks of each row along the second-last axis and
+  the rows along the last (a TPU tiles the last two dims by (8, 128): the
+  other order would pad a few blocks per row to 128 lanes, and XLA would lay
+  it out column-major). Otherwise ``shape[:k] + (blocks,)`` with ``k`` the
+  most leading dims whose trailing product is a whole number of blocks, and
+  ``(ceil(size / BLOCK),)`` when no trailing product is (the last block is
+  then ragged).
+
+  A state saved before 2026-11-25 holds such rows' scales as
+  ``shape[:-1] + (shape[-1] // BLOCK,)``: ``pallasopt.optim.convert_state(...,
+  legacy_scales=True)`` converts it (`from_row_major_scales`).
   """
+  if rows_hold_blocks(shape):
+    return tuple(shape[:-2]) + (shape[-1] // BLOCK, shape[-2])
   for k in range(len(shape), 0, -1):
     tail = math.prod(shape[k - 1 :])
     if tail % BLOCK == 0:
@@ -273,11 +294,15 @@ def _sharding(x, leading: int | None = None):
 
 
 def _block_rows(x):
-  """``x`` as rows of one block each, ``scales_shape(x.shape) + (BLOCK,)``.
+  """``x`` as rows of one block each, in the order of its scales (`scales_shape`) + (BLOCK,).
 
   Whole blocks keep the leading dims (and their sharding); a ragged last
   block is zero-padded (which changes no absmax).
   """
+  if rows_hold_blocks(x.shape):
+    *lead, rows, cols = x.shape
+    split = _reshape(x, (*lead, rows, cols // BLOCK, BLOCK), _sharding(x, len(lead) + 1))
+    return jnp.swapaxes(split, -2, -3)
   blocks = scales_shape(x.shape)
   size = math.prod(x.shape)
   if size % BLOCK:
@@ -288,6 +313,8 @@ def _block_rows(x):
 
 def _from_block_rows(rows, like):
   """The inverse of `_block_rows`: ``like``'s shape and sharding."""
+  if rows_hold_blocks(like.shape):
+    return _reshape(jnp.swapaxes(rows, -2, -3), like.shape, _sharding(like))
   size = math.prod(like.shape)
   if size % BLOCK:
     flat = _reshape(rows, (rows.size,), _sharding(rows, 0))
@@ -313,9 +340,45 @@ def quantize(
 
 def dequantize(q: Int8Blockwise | Fp8Blockwise, *, signed: bool) -> jax.Array:
   """The f32 moment a blockwise moment stores."""
+  check_scales(q)
   rows = _block_rows(q.codes.astype(jnp.float32))
   values = dequantize_rows(rows, q.scales[..., None], signed, format_of(q))
   return _from_block_rows(values, q.codes)
+
+
+_LEGACY_LAYOUT = "2026-11-25"
+
+
+def check_scales(q: Int8Blockwise | Fp8Blockwise) -> None:
+  """Raises a ValueError unless ``q``'s scales have the shape `scales_shape` gives its codes."""
+  shape, got = tuple(q.codes.shape), tuple(q.scales.shape)
+  if got == scales_shape(shape):
+    return
+  legacy = rows_hold_blocks(shape) and got == shape[:-1] + (shape[-1] // BLOCK,)
+  raise ValueError(
+      f"blockwise scales of shape {got} do not fit codes of shape {shape}: expected "
+      f"{scales_shape(shape)}."
+      + (f" A state saved before {_LEGACY_LAYOUT} keeps them as {got}: convert it with "
+         "pallasopt.optim.convert_state(opt_state, params, state_format, legacy_scales=True)."
+         if legacy else "")
+  )
+
+
+def from_row_major_scales(q: Int8Blockwise | Fp8Blockwise) -> Int8Blockwise | Fp8Blockwise:
+  """A blockwise moment saved before 2026-11-25, in the current layout.
+
+  Until then a matrix whose rows hold whole blocks kept its scales as
+  ``shape[:-1] + (blocks per row,)``; `scales_shape` now puts the rows last,
+  and other scales are unchanged. (The shapes alone cannot tell the layouts
+  apart when a matrix has as many rows as blocks per row, hence a function
+  that is only called on a state known to be that old.) Scales that fit
+  neither layout are a ValueError.
+  """
+  shape = tuple(q.codes.shape)
+  if rows_hold_blocks(shape) and tuple(q.scales.shape) == shape[:-1] + (shape[-1] // BLOCK,):
+    return type(q)(q.codes, jnp.swapaxes(q.scales, -1, -2))
+  check_scales(q)
+  return q
 
 
 def map_values(signed: bool) -> np.ndarray:

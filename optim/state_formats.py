@@ -31,6 +31,7 @@ import optax
 
 from optax.contrib import MuonState
 
+from pallasopt.kernels import quant
 from pallasopt.optim import _validation as v
 from pallasopt.optim.mars import ScaleByMarsState
 from pallasopt.optim._elementwise_tx import (
@@ -72,6 +73,7 @@ def convert_state(
     state_format: str | None,
     *,
     mu_dtype: Any | None = None,
+    legacy_scales: bool = False,
 ) -> optax.OptState:
   """Returns ``opt_state`` with its AdamW and Lion moments stored as ``state_format``.
 
@@ -86,6 +88,11 @@ def convert_state(
     state_format: ``None`` (Optax's state), ``"bf16"``, ``"int8"`` or ``"fp8"``.
     mu_dtype: with ``state_format=None``, the first moment's dtype (as the
       transform's ``mu_dtype``; default the params' dtype).
+    legacy_scales: ``opt_state`` was saved by pallasopt before 2026-11-25
+      with 8-bit or fp8 moments: a matrix whose rows hold whole blocks kept
+      its scales as ``(..., rows, blocks per row)``, now ``(..., blocks per
+      row, rows)`` (`pallasopt.kernels.quant.scales_shape`). A moment in the
+      old layout loaded without this flag is a ValueError that names it.
 
   Returns:
     The state, the same tree except for the moments' storage: what
@@ -98,6 +105,9 @@ def convert_state(
   """
   mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
   check_state_format(_OWNER, state_format, mu_dtype)
+
+  def current(moment):
+    return quant.from_row_major_scales(moment) if legacy_scales and is_quantized(moment) else moment
 
   def convert_node(node):
     if type(node) not in _MOMENTS:
@@ -117,7 +127,7 @@ def convert_state(
       dtype = mu_dtype if i == 0 else None
       fields[name] = jax.tree.map(
           lambda m, p, s=signed, d=dtype: m if _masked(m) else stored_moment(
-              jnp.asarray(moment_value(m, signed=s), jnp.float32), p, signed=s,
+              jnp.asarray(moment_value(current(m), signed=s), jnp.float32), p, signed=s,
               state_format=state_format, dtype=d,
           ),
           moments, owned, is_leaf=_moment_leaf,

@@ -37,6 +37,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pallasopt.kernels import quant
 from pallasopt.optim import Fp8Blockwise, Int8Blockwise
 
 __all__ = [
@@ -115,17 +116,23 @@ def _is_state_leaf(node: Any) -> bool:
 
 
 def _blockwise_specs(moment: Any, param_shape, param_spec: PartitionSpec) -> Any:
-  """Codes like the param; scales like its leading dims, the blocked axis whole.
+  """Codes like the param; scales like its leading dims and its rows, the blocks whole.
 
-  The scales' last axis merges the param's trailing dims into blocks; whether
-  a shard of them holds whole blocks depends on the mesh, so it is never
+  Rows of whole blocks keep their scales as ``(..., blocks per row, rows)``
+  (`quant.scales_shape`): those shard like the param's leading dims and its
+  rows. Other scales merge the param's trailing dims into blocks; whether a
+  shard of them holds whole blocks depends on the mesh, so that axis is never
   sharded (it is 1/64 of the codes' bytes).
   """
   entries = _entries(param_spec, len(param_shape))
-  leading = len(moment.scales.shape) - 1
-  if tuple(moment.scales.shape[:leading]) != tuple(param_shape[:leading]):
-    leading = 0
-  return type(moment)(codes=_make_spec(entries), scales=_make_spec(entries[:leading]))
+  if quant.rows_hold_blocks(tuple(param_shape)):
+    scales = entries[:-2] + [None, entries[-2]]
+  else:
+    leading = len(moment.scales.shape) - 1
+    if tuple(moment.scales.shape[:leading]) != tuple(param_shape[:leading]):
+      leading = 0
+    scales = entries[:leading]
+  return type(moment)(codes=_make_spec(entries), scales=_make_spec(scales))
 
 
 def _shard_factor(mesh_shape: Mapping[str, int], spec: PartitionSpec) -> int:

@@ -211,7 +211,7 @@ def test_state_layout_and_bytes_per_param(make):
   moments = make(1e-3, state_format="int8").init(params)[0][1:]
   for moment in moments:
     assert isinstance(moment["w"], Int8Blockwise) and isinstance(moment["e"], Int8Blockwise)
-    assert moment["w"].codes.dtype == jnp.uint8 and moment["w"].scales.shape == (48, 1)
+    assert moment["w"].codes.dtype == jnp.uint8 and moment["w"].scales.shape == (1, 48)
     assert moment["b"].dtype == jnp.float32 and moment["h"].dtype == jnp.float16
   big = {k: params[k] for k in ("w", "e")}
   per_param = _state_bytes(make(1e-3, state_format="int8").init(big)[0][1:]) / sum(
@@ -364,6 +364,23 @@ def test_adafactor_momentum_in_low_bit_formats(fmt, impl):
   jax.jit(tx.apply_gradients)(got, grads, state)
 
 
+def test_a_state_saved_in_the_old_scales_layout_converts_or_fails_clearly():
+  # Before 2026-11-25 rows of whole blocks kept their scales as (rows, blocks).
+  params = _params()
+  tx = pallasopt.optim.adamw(1e-3, state_format="int8")
+  state = tx.init(params)
+  _, state = jax.jit(tx.apply_gradients)(params, _grads(params, 0), state)
+  blockwise = lambda x: isinstance(x, Int8Blockwise)
+  old = jax.tree.map(
+      lambda m: Int8Blockwise(m.codes, jnp.swapaxes(m.scales, -1, -2))
+      if blockwise(m) and quant.rows_hold_blocks(m.codes.shape) else m,
+      state, is_leaf=blockwise)
+  with pytest.raises(ValueError, match=r"legacy_scales=True"):
+    tx.update(_grads(params, 1), old, params)
+  converted = pallasopt.optim.convert_state(old, params, "int8", legacy_scales=True)
+  _assert_same(converted, state, "converted")
+
+
 def test_convert_state_round_trips_through_low_bit_formats():
   params = _params()
   ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
@@ -419,7 +436,7 @@ def test_sharding_specs_and_a_sharded_step():
   tx = pallasopt.optim.adamw(1e-3, state_format="int8")
   state_specs = optimizer_state_specs(jax.eval_shape(tx.init, params), params, specs)
   mu = state_specs[0].mu
-  assert mu["w"] == Int8Blockwise(codes=P("data"), scales=P("data"))
+  assert mu["w"] == Int8Blockwise(codes=P("data"), scales=P(None, "data"))  # scales (1, 64)
   assert mu["v"] == Int8Blockwise(codes=P(None, "data"), scales=P())  # scales (8, 48)
   assert mu["b"] == P()
   mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])

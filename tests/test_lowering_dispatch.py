@@ -127,7 +127,8 @@ def test_lowering_platforms_was_removed_with_a_clear_error():
         ((12, 768, 2304), None, "apply", True),
         ((50257, 768), None, "apply", True),
         ((4096, 384), "int8", "apply", False),  # 8-bit blocks would cross its rows
-        ((64, 16384), "int8", "apply", False),  # a row too wide for one block
+        ((64, 16384), "int8", "apply", True),  # blocks of 2048 columns, 8 blocks' scales
+        ((256, 5376), "int8", "apply", False),  # 21 blocks a row: whole rows overflow VMEM
     ],
 )
 def test_tpu_auto_takes_the_kernel_where_it_pays(shape, fmt, mode, kernel):
@@ -233,6 +234,24 @@ def test_jit_with_shardings_only_runs_the_reference_or_says_why_not():
   pallas = jax.jit(_adamw("pallas"), in_shardings=(shard,) * 4 + (None,))
   with pytest.raises(ValueError, match=r"partitioner splits.*jax\.set_mesh"):
     pallas.lower(*args)
+
+
+def test_explicit_typed_operands_without_a_mesh_in_context_run_the_kernel_per_shard():
+  # The operands' types carry the mesh: the kernel runs on each local shard.
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  shard = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+  x = jax.ShapeDtypeStruct((8 * 512, 256), jnp.float32, sharding=shard)
+  text = jax.jit(_adamw("interpret")).lower(x, x, x, x, _SCALARS).as_text()
+  assert "sdy.manual_computation" in text and "tensor<512x256xf32>" in text  # local shards
+  # (Compiled for a 4-device TPU v5e, the Mosaic kernel itself: the compile tier.)
+  rng = np.random.default_rng(0)
+  p, g, m, v = (jax.device_put(jnp.asarray(rng.random((8 * 16, 128)), jnp.float32), shard)
+                for _ in range(4))
+  got = jax.jit(_adamw("interpret"))(p, g, m, v, _SCALARS)
+  want = adamw_k.adamw_reference(p, g, m, v, _SCALARS, mode="apply", nesterov=False, decay=True)
+  for a, b in zip(got, want):
+    assert a.sharding.spec == shard.spec
+    assert_close(a, b, 4 * 2**-24)
 
 
 # ---- Transformations. ----

@@ -94,7 +94,10 @@ def test_blockwise_error_is_within_the_map_bound(shape, signed, seed, log_scale)
   assert q.codes.shape == shape and q.codes.dtype == jnp.uint8
   assert q.scales.shape == quant.scales_shape(shape) and q.scales.dtype == jnp.float32
   absmax = _block_absmax(x)
-  np.testing.assert_array_equal(np.asarray(q.scales).ravel(), absmax)
+  scales = np.asarray(q.scales)
+  if quant.rows_hold_blocks(shape):  # (..., blocks per row, rows): back to flat block order
+    scales = np.swapaxes(scales, -1, -2)
+  np.testing.assert_array_equal(scales.ravel(), absmax)
   block_absmax = np.repeat(absmax, quant.BLOCK)[: x.size]
   table = quant.map_values(signed)
   normalised = np.where(block_absmax > 0, x.ravel() / np.where(block_absmax > 0, block_absmax, 1), 0)
@@ -103,13 +106,28 @@ def test_blockwise_error_is_within_the_map_bound(shape, signed, seed, log_scale)
   np.testing.assert_array_less(err, bound + 1e-30)
 
 
-def test_scales_shape_keeps_the_leading_dims():
-  assert quant.scales_shape((4096, 1024)) == (4096, 4)
-  assert quant.scales_shape((8, 3, 1024)) == (8, 3, 4)
+def test_scales_shape_puts_rows_of_whole_blocks_last_and_keeps_the_leading_dims():
+  assert quant.scales_shape((4096, 1024)) == (4, 4096)
+  assert quant.scales_shape((8, 3, 1024)) == (8, 4, 3)
+  assert quant.scales_shape((1024,)) == (4,)
   assert quant.scales_shape((32, 12, 64)) == (32, 3)  # 12 * 64 = 3 blocks
   assert quant.scales_shape((1024, 128)) == (512,)
   assert quant.scales_shape((50257,)) == (197,)  # ragged last block
   assert quant.scales_shape(()) == (1,)
+
+
+def test_scales_saved_in_the_old_layout_convert_or_fail_clearly():
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 1024)), jnp.float32)
+  q = quant.quantize(x, signed=True)
+  # Before 2026-11-25: (rows, blocks per row). Square here, so only the
+  # caller can say which layout it holds.
+  old = quant.Int8Blockwise(q.codes, jnp.swapaxes(q.scales, -1, -2))
+  np.testing.assert_array_equal(quant.from_row_major_scales(old).scales, q.scales)
+  wide = quant.Int8Blockwise(jnp.zeros((8, 1024), jnp.uint8), jnp.zeros((8, 4)))
+  with pytest.raises(ValueError, match=r"\(8, 4\) do not fit codes of shape \(8, 1024\).*legacy_scales=True"):
+    quant.dequantize(wide, signed=True)
+  with pytest.raises(ValueError, match=r"expected \(4,\)"):
+    quant.from_row_major_scales(quant.Int8Blockwise(jnp.zeros((1024,), jnp.uint8), jnp.zeros((5,))))
 
 
 def test_zero_and_nan_blocks():

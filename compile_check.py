@@ -1,0 +1,462 @@
+"""Compile an optimizer step for a GPU or TPU from a machine that has neither.
+
+``python -m pallasopt.compile_check --target v5e --optimizer adamw
+--kwargs '{"learning_rate": 1e-3, "state_format": "int8"}' --shapes
+'wte=50257x768,w=768x2304,b=2304'`` compiles one step of the optimizer for a
+compile-only device of the target with the target's own compilers (libtpu's
+Mosaic for a TPU; Triton, ptxas and Mosaic GPU for an NVIDIA chip), and
+prints what the compiled module does: its Pallas kernels, the HBM bytes it
+moves per parameter against Optax's AdamW compiled the same way, the
+relayouts and collectives XLA put around the kernels, its temporary memory,
+and for each leaf shape whether a kernel or XLA updates it.
+
+It needs the ``aot`` extra (``pip install "pallasopt[aot]"``: libtpu, the
+CUDA plugin and ptxas at the versions the compile tier pins) and must run
+before any other JAX backend starts: it sets ``JAX_PLATFORMS=cpu`` when run
+as a program (set it yourself before importing JAX to use `compile_for`).
+
+Targets (`TARGETS`): TPU v4, v5e, v5p, v6e and tpu7x as libtpu topologies,
+and the NVIDIA H100, A100 and B200 from their published device facts (the
+`GpuTargetConfigProto` fields a deviceless compile needs, `_GPU_FACTS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+__all__ = [
+    "TARGETS",
+    "GpuFacts",
+    "missing",
+    "devices",
+    "on_device",
+    "compile_for",
+    "compiled_kernels",
+    "Traffic",
+    "traffic",
+    "relayouts_at_least",
+    "gpu_target_config",
+    "main",
+]
+
+
+class GpuFacts(NamedTuple):
+  """The device facts of an NVIDIA chip that XLA needs to compile for it."""
+
+  description: str
+  compute_capability: tuple[int, int]
+  shared_memory_per_block_optin: int
+  shared_memory_per_core: int
+  core_count: int
+  fpus_per_core: int
+  memory_bandwidth: int
+  l2_cache_size: int
+  clock_rate_ghz: float
+  device_memory_size: int
+  dnn_version: tuple[int, int, int]
+
+
+# NVIDIA's published figures (SXM parts).
+_GPU_FACTS = {
+    "h100": GpuFacts("NVIDIA H100 80GB HBM3", (9, 0), 232448, 233472, 132, 128,
+                     3_352_320_000_000, 52_428_800, 1.98, 84_942_979_072, (9, 3, 0)),
+    "a100": GpuFacts("NVIDIA A100-SXM4-80GB", (8, 0), 166912, 167936, 108, 64,
+                     2_039_000_000_000, 41_943_040, 1.41, 85_095_874_560, (9, 3, 0)),
+    "b200": GpuFacts("NVIDIA B200", (10, 0), 232448, 233472, 148, 128,
+                     8_000_000_000_000, 132_120_576, 1.965, 191_514_492_928, (9, 8, 0)),
+}
+# Target -> its platform and libtpu topology (TPUs) or device facts (GPUs).
+TARGETS: dict[str, tuple[str, str | None]] = {
+    "h100": ("cuda", None),
+    "a100": ("cuda", None),
+    "b200": ("cuda", None),
+    "v4": ("tpu", "v4:2x2x1"),
+    "v5e": ("tpu", "v5e:2x2"),
+    "v5p": ("tpu", "v5p:2x2x1"),
+    "v6e": ("tpu", "v6e:2x2"),
+    "tpu7x": ("tpu", "tpu7x:2x2x1"),
+}
+
+# What each compiled kernel is called in a compiled module's HLO.
+_COMPILED_CALLS = {
+    "tpu": re.compile(r'custom_call_target="tpu_custom_call"'),
+    "triton": re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"'),
+    "mosaic_gpu": re.compile(r'custom_call_target="mosaic_gpu[^"]*"'),
+}
+
+
+def gpu_target_config(target: str) -> str:
+  """The `GpuTargetConfigProto` of an NVIDIA target, in text form."""
+  f = _GPU_FACTS[target]
+  major, minor = f.compute_capability
+  dnn = dict(zip(("major", "minor", "patch"), f.dnn_version))
+  return "\n".join([
+      "gpu_device_info {",
+      f"  cuda_compute_capability {{ major: {major} minor: {minor} }}",
+      "  threads_per_block_limit: 1024",
+      "  threads_per_warp: 32",
+      "  shared_memory_per_block: 49152",
+      f"  shared_memory_per_block_optin: {f.shared_memory_per_block_optin}",
+      f"  shared_memory_per_core: {f.shared_memory_per_core}",
+      "  threads_per_core_limit: 2048",
+      f"  core_count: {f.core_count}",
+      f"  fpus_per_core: {f.fpus_per_core}",
+      "  block_dim_limit_x: 2147483647",
+      "  block_dim_limit_y: 65535",
+      "  block_dim_limit_z: 65535",
+      f"  memory_bandwidth: {f.memory_bandwidth}",
+      f"  l2_cache_size: {f.l2_cache_size}",
+      f"  clock_rate_ghz: {f.clock_rate_ghz}",
+      f"  device_memory_size: {f.device_memory_size}",
+      "  registers_per_core_limit: 65536",
+      "  registers_per_block_limit: 65536",
+      "}",
+      'platform_name: "CUDA"',
+      "dnn_version_info { " + " ".join(f"{k}: {v}" for k, v in dnn.items()) + " }",
+      f'device_description_str: "{f.description}"',
+  ]) + "\n"
+
+
+def missing(target: str) -> str | None:
+  """Why ``target`` cannot be compiled for in this process, or None."""
+  if target not in TARGETS:
+    raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}.")
+  if os.environ.get("JAX_PLATFORMS") != "cpu":
+    return "compiling for a target needs JAX_PLATFORMS=cpu, set before JAX starts"
+  try:
+    if TARGETS[target][0] == "tpu":
+      import libtpu  # noqa: F401
+    else:
+      import jax_plugins.xla_cuda12  # noqa: F401
+      import nvidia.cuda_nvcc  # noqa: F401
+  except ImportError as e:
+    return f'needs the aot extra (pip install "pallasopt[aot]"): {e}'
+  return None
+
+
+def _put_ptxas_on_path() -> None:
+  import nvidia.cuda_nvcc
+
+  bin_dir = str(pathlib.Path(next(iter(nvidia.cuda_nvcc.__path__))) / "bin")
+  if bin_dir not in os.environ["PATH"].split(os.pathsep):
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ["PATH"]
+
+
+@functools.cache
+def devices(target: str):
+  """The compile-only devices of ``target``'s topology (a ValueError if it cannot be had)."""
+  why = missing(target)
+  if why is not None:
+    raise ValueError(f"cannot compile for {target}: {why}.")
+  from jax.experimental import topologies
+
+  platform, topology = TARGETS[target]
+  if platform == "tpu":
+    # libtpu takes a lockfile for the TPU it drives; a compile-only topology
+    # drives none, so several processes may each load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+  _put_ptxas_on_path()
+  return topologies.get_topology_desc(
+      target, "cuda", target_config=gpu_target_config(target), topology="1x1x1"
+  ).devices
+
+
+def on_device(tree: Any, target: str) -> Any:
+  """``tree``'s arrays or ShapeDtypeStructs as ShapeDtypeStructs on ``target``'s first device."""
+  import jax
+
+  sharding = jax.sharding.SingleDeviceSharding(devices(target)[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def compile_for(fn: Callable, target: str, *args: Any, donate_argnums: Sequence[int] = ()):
+  """``jax.jit(fn)`` compiled for ``target`` on ``args`` (pytrees of ShapeDtypeStructs)."""
+  import jax
+
+  placed = [on_device(a, target) for a in args]
+  return jax.jit(fn, donate_argnums=tuple(donate_argnums)).lower(*placed).compile()
+
+
+def compiled_kernels(compiled) -> dict[str, int]:
+  """The Pallas kernels of each kind in a compiled module."""
+  text = compiled.as_text()
+  return {kind: len(pattern.findall(text)) for kind, pattern in _COMPILED_CALLS.items()}
+
+
+# ---- What a compiled module moves. ----
+#
+# A kernel's declared `pl.CostEstimate` is what ``cost_analysis()`` reports
+# for it, so neither proves what a step moves. `traffic` reads the compiled
+# module's entry computation instead (XLA's HLO after every pass, for the
+# target it was compiled for), op by op.
+
+_ITEMSIZE = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([\d,]*)\](\{[^}]*\})?")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_FREE = frozenset({
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+    "partition-id", "replica-id", "iota", "copy-done", "slice-done",
+})
+# Ops that only move data between layouts. (XLA's asynchronous copies and
+# slices between memory spaces, ``copy-start`` and ``slice-start``, keep the
+# layout: they prefetch into VMEM or evict from it.)
+_RELAYOUT = frozenset({"copy", "transpose", "reshape"})
+# Custom calls that move no data: buffers XLA lays side by side.
+_FREE_CALLS = re.compile(r'custom_call_target="ConcatBitcast"')
+_COLLECTIVE = re.compile(r"^(all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+  """What one compiled module moves.
+
+  Attributes:
+    hbm_bytes: the bytes every top-level op reads and writes in HBM: its
+      operands' and results' sizes as stored (a TPU's tiled layout pads the
+      tiled dims: a (50257, 3) f32 array stored row-major occupies 50264 x
+      128 elements), leaving out ops that move nothing (parameters, tuples,
+      bitcasts) and arrays in another memory space (a TPU's VMEM, ``S(1)``
+      in the layout: an array XLA prefetches into VMEM counts once, at the
+      prefetch).
+    relayouts: ``(op, bytes)`` of the ops that only move data from one
+      layout to another (copies, transposes, non-bitcast reshapes).
+    collectives: the opcodes of the collectives.
+    kernels: Pallas kernels (Mosaic TPU, Triton, Mosaic GPU custom calls).
+    xla_bytes: ``cost_analysis()["bytes accessed"]``, XLA's own count, which
+      takes each kernel's declared estimate verbatim and counts an array XLA
+      prefetches into VMEM twice (at the copy and at its reader).
+    temp_bytes: ``memory_analysis()``'s temporary buffers.
+  """
+
+  hbm_bytes: int
+  relayouts: tuple[tuple[str, int], ...]
+  collectives: tuple[str, ...]
+  kernels: int
+  xla_bytes: float | None
+  temp_bytes: int | None
+
+  @property
+  def relayout_bytes(self) -> int:
+    return sum(b for _, b in self.relayouts)
+
+
+def _stored_elements(dims: list[int], layout: str) -> int:
+  """Elements an array of ``dims`` occupies in ``layout``, its tiles' padding included.
+
+  A TPU layout ``{1,0:T(8,128)}`` orders the dims minor to major and tiles
+  the minor ones: each tiled dim is padded to a multiple of its tile.
+  """
+  match = re.match(r"\{([\d,]*)(?::T\(([\d,]+)\))?", layout or "")
+  if not dims or match is None or match.group(2) is None:
+    return math.prod(dims)
+  minor_to_major = [int(d) for d in match.group(1).split(",") if d] or list(range(len(dims)))
+  stored = [dims[d] for d in reversed(minor_to_major)]  # major to minor
+  tile = [int(t) for t in match.group(2).split(",")]
+  for i, t in enumerate(tile[-len(stored):], start=len(stored) - min(len(tile), len(stored))):
+    stored[i] = -(-stored[i] // t) * t
+  return math.prod(stored)
+
+
+def _bytes(type_text: str, *, hbm_only: bool = True) -> int:
+  """Bytes the arrays of an HLO type occupy (those in HBM, memory space 0, by default)."""
+  total = 0
+  for dtype, dims, layout in _ARRAY.findall(type_text):
+    if hbm_only and layout and re.search(r"\bS\([1-9]", layout):
+      continue
+    total += _ITEMSIZE[dtype] * _stored_elements([int(d) for d in dims.split(",") if d], layout)
+  return total
+
+
+def _in_hbm(type_text: str) -> bool:
+  return _bytes(type_text) > 0 or _bytes(type_text, hbm_only=False) == 0
+
+
+def _tuple_elements(type_text: str) -> list[str]:
+  """The top-level elements of an HLO tuple type ``(a, b, ...)``."""
+  inner, depth, start, parts = type_text.strip()[1:-1], 0, 0, []
+  for i, ch in enumerate(inner):
+    depth += ch in "([{"
+    depth -= ch in ")]}"
+    if ch == "," and depth == 0:
+      parts.append(inner[start:i])
+      start = i + 1
+  return parts + [inner[start:]]
+
+
+def _async_bytes(opcode: str, type_text: str) -> int:
+  """HBM bytes of an asynchronous copy or slice between memory spaces.
+
+  ``copy-start`` returns ``(destination, source, context)``; ``slice-start``
+  returns ``((source,), destination, context)``. Each moves the destination's
+  bytes, read from the source's memory space and written to its own.
+  """
+  first, second = _tuple_elements(type_text)[:2]
+  source, destination = (second, first) if opcode == "copy-start" else (first, second)
+  moved = _bytes(destination, hbm_only=False)
+  return moved * (_in_hbm(source) + _in_hbm(destination))
+
+
+def _entry(text: str) -> list[str]:
+  lines = text.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
+  body = []
+  for line in lines[start + 1:]:
+    if line.startswith("}"):
+      break
+    body.append(line)
+  return body
+
+
+def _entry_traffic(text: str) -> tuple[int, list, list, int]:
+  """HBM bytes, relayouts, collectives and kernels of a compiled module's text."""
+  sizes: dict[str, int] = {}
+  hbm, relayouts, collectives, kernels = 0, [], [], 0
+  for line in _entry(text):
+    match = _INSTRUCTION.match(line)
+    if match is None:
+      continue
+    name, type_text, opcode, rest = match.groups()
+    sizes[name] = result = _bytes(type_text)
+    if opcode in _FREE or (opcode == "custom-call" and _FREE_CALLS.search(rest)):
+      continue
+    operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+    if opcode in ("copy-start", "slice-start"):
+      hbm += _async_bytes(opcode, type_text)
+    else:
+      hbm += result + sum(sizes.get(o, 0) for o in operands)
+    if opcode in _RELAYOUT or (opcode == "fusion" and re.match(r"(copy|transpose)", name)):
+      relayouts.append((name, _bytes(type_text, hbm_only=False)))
+    if _COLLECTIVE.match(opcode):
+      collectives.append(opcode)
+    kernels += opcode == "custom-call" and any(p.search(rest) for p in _COMPILED_CALLS.values())
+  return hbm, relayouts, collectives, kernels
+
+
+def traffic(compiled) -> Traffic:
+  """Measures a ``jax.stages.Compiled`` (see `Traffic`)."""
+  hbm, relayouts, collectives, kernels = _entry_traffic(compiled.as_text())
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  try:
+    temp = compiled.memory_analysis().temp_size_in_bytes
+  except (AttributeError, NotImplementedError):
+    temp = None
+  return Traffic(
+      hbm, tuple(relayouts), tuple(collectives), kernels,
+      (cost or {}).get("bytes accessed"), temp,
+  )
+
+
+def relayouts_at_least(t: Traffic, nbytes: int) -> list[tuple[str, int]]:
+  """The relayouts of ``t`` that move ``nbytes`` or more."""
+  return [(name, b) for name, b in t.relayouts if b >= nbytes]
+
+
+# ---- The program. ----
+
+_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+
+
+def _parse_shapes(text: str, dtype: str):
+  import jax
+  import jax.numpy as jnp
+
+  tree = {}
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    name, _, dims = item.partition("=")
+    if not dims or not re.fullmatch(r"\d+(x\d+)*", dims):
+      raise ValueError(f"--shapes: expected name=AxBxC items; got {item!r}.")
+    tree[name] = jax.ShapeDtypeStruct(tuple(int(d) for d in dims.split("x")), jnp.dtype(dtype))
+  if not tree:
+    raise ValueError("--shapes: no leaves given.")
+  return tree
+
+
+def _step(tx, fused: bool):
+  import optax
+
+  from pallasopt import optim
+
+  if fused:
+    return functools.partial(optim.apply_gradients, tx)
+
+  def update_then_apply(params, grads, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return update_then_apply
+
+
+def _measure(tx, tree, target: str, fused: bool):
+  import jax
+
+  state = jax.eval_shape(tx.init, tree)
+  return traffic(compile_for(_step(tx, fused), target, tree, tree, state, donate_argnums=(0, 2)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m pallasopt.compile_check`` (module docstring); returns the exit status."""
+  parser = argparse.ArgumentParser(prog="python -m pallasopt.compile_check", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--target", required=True, choices=list(TARGETS))
+  parser.add_argument("--optimizer", default="adamw", help="a pallasopt.optim transform, e.g. adamw, lion, muon")
+  parser.add_argument("--kwargs", default='{"learning_rate": 1e-3}', help="its arguments, as JSON")
+  parser.add_argument("--shapes", required=True, help="the params: name=AxB items, comma-separated")
+  parser.add_argument("--dtype", default="f32", choices=list(_DTYPES))
+  parser.add_argument("--mode", default="fused", choices=["fused", "update"],
+                      help="pallasopt.optim.apply_gradients, or tx.update + optax.apply_updates")
+  args = parser.parse_args(argv)
+  why = missing(args.target)
+  if why is not None:
+    print(f"cannot compile for {args.target}: {why}", file=sys.stderr)
+    return 2
+
+  import optax
+
+  from pallasopt import optim
+
+  make = getattr(optim, args.optimizer, None)
+  if not callable(make):
+    print(f"--optimizer: pallasopt.optim has no transform {args.optimizer!r}", file=sys.stderr)
+    return 2
+  tree = _parse_shapes(args.shapes, _DTYPES[args.dtype])
+  tx = make(**json.loads(args.kwargs))
+  fused = args.mode == "fused"
+  params = sum(math.prod(x.shape) for x in tree.values())
+  ours = _measure(tx, tree, args.target, fused)
+  baseline = _measure(optax.adamw(1e-3), tree, args.target, fused=False)
+  print(f"{args.optimizer} {args.kwargs} on {args.target}, {args.mode} step, {params:,} params")
+  print(f"  Pallas kernels: {ours.kernels}")
+  print(f"  HBM bytes per param: {ours.hbm_bytes / params:.2f} "
+        f"(optax.adamw: {baseline.hbm_bytes / params:.2f})")
+  print(f"  temporary memory: {ours.temp_bytes} B (optax.adamw: {baseline.temp_bytes} B)")
+  print(f"  relayouts of 1 MiB or more: {[r for r in ours.relayouts if r[1] >= 1 << 20]}")
+  print(f"  collectives: {list(ours.collectives)}")
+  print("  per leaf shape (a one-leaf step):")
+  for shape_dtype in sorted({(x.shape, str(x.dtype)) for x in tree.values()}):
+    leaf = {"x": next(x for x in tree.values() if (x.shape, str(x.dtype)) == shape_dtype)}
+    one = _measure(tx, leaf, args.target, fused)
+    what = f"{one.kernels} kernel(s)" if one.kernels else "XLA"
+    print(f"    {shape_dtype[0]} {shape_dtype[1]}: {what}")
+  return 0
+
+
+if __name__ == "__main__":
+  if "jax" not in sys.modules:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  sys.exit(main())
