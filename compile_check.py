@@ -237,6 +237,7 @@ class Traffic:
     relayouts: ``(op, bytes)`` of the ops that only move data from one
       layout to another (copies, transposes, non-bitcast reshapes).
     collectives: the opcodes of the collectives.
+    collective_bytes: the bytes the collectives produce (their results).
     kernels: Pallas kernels (Mosaic TPU, Triton, Mosaic GPU custom calls).
     xla_bytes: ``cost_analysis()["bytes accessed"]``, XLA's own count, which
       takes each kernel's declared estimate verbatim and counts an array XLA
@@ -247,6 +248,7 @@ class Traffic:
   hbm_bytes: int
   relayouts: tuple[tuple[str, int], ...]
   collectives: tuple[str, ...]
+  collective_bytes: int
   kernels: int
   xla_bytes: float | None
   temp_bytes: int | None
@@ -342,8 +344,8 @@ def _entry_traffic(text: str) -> tuple[int, list, list, int]:
       hbm += result + sum(sizes.get(o, 0) for o in operands)
     if opcode in _RELAYOUT or (opcode == "fusion" and re.match(r"(copy|transpose)", name)):
       relayouts.append((name, _bytes(type_text, hbm_only=False)))
-    if _COLLECTIVE.match(opcode):
-      collectives.append(opcode)
+    if _COLLECTIVE.match(opcode) and not opcode.endswith("-done"):
+      collectives.append((opcode.removesuffix("-start"), _bytes(type_text, hbm_only=False)))
     kernels += opcode == "custom-call" and any(p.search(rest) for p in _COMPILED_CALLS.values())
   return hbm, relayouts, collectives, kernels
 
@@ -358,8 +360,8 @@ def traffic(compiled) -> Traffic:
   except (AttributeError, NotImplementedError):
     temp = None
   return Traffic(
-      hbm, tuple(relayouts), tuple(collectives), kernels,
-      (cost or {}).get("bytes accessed"), temp,
+      hbm, tuple(relayouts), tuple(op for op, _ in collectives),
+      sum(nbytes for _, nbytes in collectives), kernels, (cost or {}).get("bytes accessed"), temp,
   )
 
 

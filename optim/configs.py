@@ -283,6 +283,8 @@ class MuonConfig(SerializationMixin):
       ``"bfloat16"`` for bf16 matmuls, the one dtype the CUDA kernel takes).
     gram_levels: block levels of Newton-Schulz's symmetric products (None:
       the levels measured fastest on the platform; 0: Optax's full dots).
+    distributed_axes: mesh axes over whose devices one step's Newton-Schulz
+      work is split (None: every device orthogonalizes every matrix).
   """
 
   ns_coeffs: Any = (3.4445, -4.775, 2.0315)
@@ -302,6 +304,7 @@ class MuonConfig(SerializationMixin):
   seed: int | None = None
   iter_dtype: Any = None
   gram_levels: int | None = None
+  distributed_axes: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass

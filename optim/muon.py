@@ -26,12 +26,22 @@ and it is exact (Megatron's ``"duplicated"`` mode). ``blockwise=(r, c)``
 instead orthogonalizes each of the ``r x c`` blocks of a matrix on its own
 (with its own shape scale): with blocks equal to the shards, no gather is
 needed. It is an approximation (Megatron's ``"blockwise"`` mode), so opt-in.
+
+Distributed Newton–Schulz. On a data-parallel mesh every device would run the
+whole Newton–Schulz of every matrix. ``distributed_axes=("data",)`` splits
+that work (as Moonlight and Dion distribute it): each batch of same-shape
+matrices is padded to a multiple of the N devices of those axes, laid out
+along them (one all-to-all from row-sharded params, a local slice from
+replicated ones), orthogonalized per device inside ``shard_map``, and
+returned to the params' layout (one all-gather per shape group). No
+collective runs inside the iterations, and each matrix gets the same math
+as without the option.
 """
 
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -252,38 +262,112 @@ def _compute_dtype(x) -> jnp.dtype:
   return jnp.dtype(jnp.float32) if v.kernel_dtypes(x) else jnp.result_type(x)
 
 
+def _check_distributed_axes(axes: tuple[str, ...] | None):
+  """The mesh in context for ``distributed_axes``, or a ValueError saying what is wrong."""
+  if axes is None:
+    return None
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    raise ValueError(
+        f"{_OWNER}: distributed_axes={axes} needs the mesh in context: call the step "
+        "under jax.set_mesh(mesh) (or jax.sharding.use_mesh)."
+    )
+  unknown = [a for a in axes if a not in mesh.axis_names]
+  if unknown:
+    raise ValueError(
+        f"{_OWNER}: distributed_axes names {unknown}, which the mesh in context "
+        f"(axes {tuple(mesh.axis_names)}) lacks."
+    )
+  manual = [a for a in axes if a in mesh.manual_axes]
+  if manual:
+    raise ValueError(
+        f"{_OWNER}: distributed_axes {manual} are manual here (inside shard_map): each "
+        "device already holds its own matrices; drop them from distributed_axes."
+    )
+  return mesh
+
+
+def _split_over_axes(orthogonalize, joined, coeffs, mesh, axes: tuple[str, ...]):
+  """``orthogonalize(joined, coeffs)``, the matrices split over the devices of ``axes``.
+
+  The batch of same-shape matrices is padded to a multiple of the devices
+  (with zero matrices, which Newton–Schulz maps to zero), laid out along
+  ``axes`` (one all-to-all from a row-sharded layout, a slice from a
+  replicated one), orthogonalized per device inside `shard_map`, and returned
+  to the params' layout (one all-gather or all-to-all per shape group). No
+  collective runs inside the iterations.
+  """
+  devices = math.prod(mesh.shape[a] for a in axes)
+  count = joined.shape[0]
+  batch, whole = jax.sharding.PartitionSpec(axes, None, None), jax.sharding.PartitionSpec()
+  free = jax.sharding.PartitionSpec.UNCONSTRAINED
+  explicit = any(
+      mesh.axis_types[mesh.axis_names.index(a)] == jax.sharding.AxisType.Explicit for a in axes
+  )
+  if not explicit:
+    # Auto axes: XLA would propagate the batch layout back into each matrix's
+    # momentum; the batch of the joined matrices stays whole until the split.
+    joined = jax.lax.with_sharding_constraint(joined, jax.sharding.PartitionSpec(None, free, free))
+  padded = jnp.pad(joined, ((0, -count % devices), (0, 0), (0, 0)))
+  if explicit:
+    padded, coeffs = jax.sharding.reshard(padded, batch), jax.sharding.reshard(coeffs, whole)
+  else:
+    padded = jax.lax.with_sharding_constraint(padded, batch)
+  split = _compat.shard_map(
+      orthogonalize, mesh=mesh, in_specs=(batch, whole), out_specs=batch,
+      axis_names=frozenset(axes), check_vma=False,
+  )
+  result = split(padded, coeffs)
+  # Back to the params' layout (the batch whole) before the padding is cut
+  # off: one collective for the group, not one per matrix.
+  if explicit:
+    result = jax.sharding.reshard(result, _compat.explicit_spec(joined) or whole)
+  else:
+    result = jax.lax.with_sharding_constraint(result, jax.sharding.PartitionSpec(None, free, free))
+  return result[:count]
+
+
 def _orthogonalize_all(
-    stacks, table, *, optax_coeffs, preconditioning, eps, iter_dtype, gram_levels, impl
+    stacks, table, *, optax_coeffs, preconditioning, eps, iter_dtype, gram_levels, impl,
+    distributed_axes=None,
 ):
   """Newton–Schulz of many stacks, one launch per distinct matrix shape.
 
   Stacks in float32 or bfloat16 run `newton_schulz` with ``table``; others
   (float64, complex), and all of them when ``table`` is None (a traced step
   count), run Optax's own orthogonalization with ``optax_coeffs`` =
-  ``(ns_coeffs, ns_steps)``, in their dtype.
+  ``(ns_coeffs, ns_steps)``, in their dtype. With ``distributed_axes`` each
+  shape's batch is split over those mesh axes (`_split_over_axes`).
   """
+  mesh = _check_distributed_axes(distributed_axes)
+  coeffs = jnp.asarray(optax_coeffs[0])  # `table` itself when there is one
+
+  def orthogonalize(x, coeffs):
+    if table is not None and v.kernel_dtypes(x):
+      return ns.newton_schulz(
+          x, coeffs, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype,
+          gram_levels=gram_levels, impl=impl,
+      )
+    return _optax_muon.orthogonalize_via_newton_schulz(
+        x, coeffs, optax_coeffs[1], preconditioning, eps,
+        MuonDimensionNumbers(reduction_axis=1, output_axis=2),
+    )
+
   groups: dict[tuple, list[int]] = {}
   for i, s in enumerate(stacks):
     groups.setdefault((s.shape[1:], s.dtype), []).append(i)
   out = [None] * len(stacks)
   for members in groups.values():
     joined = jnp.concatenate([stacks[i] for i in members]) if len(members) > 1 else stacks[members[0]]
-    # Newton–Schulz contracts whole rows and columns: a matrix sharded over
-    # Explicit mesh axes is gathered, orthogonalized whole and resharded
-    # (exact; `blockwise` avoids the gather).
+
     sharded_like = joined
-    joined = _compat.gathered(joined)
-    if table is not None and v.kernel_dtypes(joined):
-      result = ns.newton_schulz(
-          joined, table, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype,
-          gram_levels=gram_levels, impl=impl,
-      )
+    if mesh is not None:
+      result = _split_over_axes(orthogonalize, joined, coeffs, mesh, distributed_axes)
     else:
-      coeffs, steps = optax_coeffs
-      result = _optax_muon.orthogonalize_via_newton_schulz(
-          joined, jnp.asarray(coeffs), steps, preconditioning, eps,
-          MuonDimensionNumbers(reduction_axis=1, output_axis=2),
-      )
+      # Newton–Schulz contracts whole rows and columns: a matrix sharded over
+      # Explicit mesh axes is gathered, orthogonalized whole and resharded
+      # (exact; `blockwise` avoids the gather).
+      result = orthogonalize(_compat.gathered(joined), coeffs)
     result = _compat.reshard_like(result, sharded_like)
     offsets = np.cumsum([0] + [stacks[i].shape[0] for i in members])
     for i, lo, hi in zip(members, offsets[:-1], offsets[1:]):
@@ -357,6 +441,7 @@ def muon(
     qkv_split_shapes: Any = None,
     adamw_predicate: Callable[[str, jax.Array], bool] | None = None,
     blockwise: tuple[int, int] | None = None,
+    distributed_axes: Sequence[str] | None = None,
     state_format: str | None = None,
     seed: int | None = None,
 ) -> FusedGradientTransformation:
@@ -447,6 +532,12 @@ def muon(
   * ``adamw_predicate(path, leaf) -> bool``: route more leaves (embeddings,
     output heads) to AdamW; ``path`` is `jax.tree_util.keystr` of the leaf.
   * ``blockwise=(r, c)``: see the module docstring (sharded matrices).
+  * ``distributed_axes=("data",)``: names of mesh axes (the mesh in context,
+    ``jax.set_mesh``) over whose devices one step's Newton–Schulz work is
+    split instead of repeated on each: every device orthogonalizes about 1/N
+    of each batch of same-shape matrices and the results return to the
+    params' layout (see the module docstring). Exact: the same math on each
+    matrix; no new state.
 
   Args:
     learning_rate: scalar or schedule.
@@ -474,7 +565,7 @@ def muon(
     stacked_axes: leading batch axes of every leaf (see "Routing").
     ns_rule, custom_ns_coeffs, iter_dtype, gram_levels, scale_mode, extra_scale_factor,
     momentum, second_moment, beta2, second_moment_eps, qkv_split_shapes,
-    adamw_predicate, blockwise: see "Extensions".
+    adamw_predicate, blockwise, distributed_axes: see "Extensions".
     state_format: storage of the momentum (both parts): None (Optax's),
       ``"bf16"`` (stochastic rounding on every store), ``"int8"`` or
       ``"fp8"`` (blockwise codes for leaves of at least 4096 elements); see
@@ -531,6 +622,15 @@ def muon(
       len(blockwise) != 2 or any(not isinstance(b, int) or b < 1 for b in blockwise)
   ):
     raise ValueError(f"{_OWNER}: blockwise must be a pair of positive ints; got {blockwise!r}.")
+  if distributed_axes is not None:
+    if isinstance(distributed_axes, str):
+      distributed_axes = (distributed_axes,)
+    distributed_axes = tuple(distributed_axes)
+    if not distributed_axes or not all(isinstance(a, str) for a in distributed_axes) or len(
+        set(distributed_axes)) != len(distributed_axes):
+      raise ValueError(
+          f"{_OWNER}: distributed_axes must be distinct mesh axis names; got {distributed_axes!r}."
+      )
   v.optional_float_dtype(_OWNER, "iter_dtype", iter_dtype)
   traced_steps = isinstance(ns_steps, jax.core.Tracer)
   if traced_steps:
@@ -677,7 +777,7 @@ def muon(
       stacks.extend(parts)
     orthogonalize = functools.partial(
         _orthogonalize_all, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype,
-        gram_levels=gram_levels, impl=impl,
+        gram_levels=gram_levels, impl=impl, distributed_axes=distributed_axes,
     )
     if traced_steps:
       results = orthogonalize(stacks, None, optax_coeffs=(muon_state.ns_coeffs, ns_steps))

@@ -279,7 +279,7 @@ def test_auto_moves_no_more_bytes_than_optax_on_tpu(chip, tree):
   if tree == "4096x4096":
     # XLA's own count agrees on one leaf. On a tree of many leaves it counts
     # every array XLA stages through VMEM around a kernel twice, so only the
-    # HBM count bounds it there (bench/results/cpu/compiled-*.json).
+    # HBM count bounds it there (bench/results/compiled/adamw-bytes-*.json).
     for case, bound in _BYTES_BOUNDS.items():
       assert rows[case]["xla_vs_optax"] <= bound or case == "update int8", rows[case]
 
