@@ -35,7 +35,9 @@ along them (one all-to-all from row-sharded params, a local slice from
 replicated ones), orthogonalized per device inside ``shard_map``, and
 returned to the params' layout (one all-gather per shape group). No
 collective runs inside the iterations, and each matrix gets the same math
-as without the option.
+as without the option. Inside ``shard_map`` over those axes (a pipeline
+stage's data axis), where each device holds the same matrices, each
+orthogonalizes its slice and one all-gather per shape group shares them.
 """
 
 import dataclasses
@@ -279,12 +281,27 @@ def _check_distributed_axes(axes: tuple[str, ...] | None):
         f"(axes {tuple(mesh.axis_names)}) lacks."
     )
   manual = [a for a in axes if a in mesh.manual_axes]
-  if manual:
+  if manual and len(manual) != len(axes):
     raise ValueError(
-        f"{_OWNER}: distributed_axes {manual} are manual here (inside shard_map): each "
-        "device already holds its own matrices; drop them from distributed_axes."
+        f"{_OWNER}: distributed_axes {axes} mixes axes that are manual here (inside "
+        f"shard_map: {manual}) with others; name axes of one kind."
     )
   return mesh
+
+
+def _split_over_manual_axes(orthogonalize, joined, coeffs, mesh, axes: tuple[str, ...]):
+  """`_split_over_axes` inside `shard_map` over ``axes`` (e.g. a pipeline stage).
+
+  Each device holds the same matrices (data-parallel replicas, after the
+  gradients' all-reduce): it orthogonalizes its slice of the padded batch and
+  one all-gather per shape group returns every result to every device.
+  """
+  devices = math.prod(mesh.shape[a] for a in axes)
+  count = joined.shape[0]
+  padded = jnp.pad(joined, ((0, -count % devices), (0, 0), (0, 0)))
+  per_device = padded.shape[0] // devices
+  mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(axes) * per_device, per_device)
+  return jax.lax.all_gather(orthogonalize(mine, coeffs), axes, tiled=True)[:count]
 
 
 def _split_over_axes(orthogonalize, joined, coeffs, mesh, axes: tuple[str, ...]):
@@ -361,7 +378,9 @@ def _orthogonalize_all(
     joined = jnp.concatenate([stacks[i] for i in members]) if len(members) > 1 else stacks[members[0]]
 
     sharded_like = joined
-    if mesh is not None:
+    if mesh is not None and distributed_axes[0] in mesh.manual_axes:
+      result = _split_over_manual_axes(orthogonalize, joined, coeffs, mesh, distributed_axes)
+    elif mesh is not None:
       result = _split_over_axes(orthogonalize, joined, coeffs, mesh, distributed_axes)
     else:
       # Newton–Schulz contracts whole rows and columns: a matrix sharded over
