@@ -154,15 +154,14 @@ def test_other_families_compile_what_their_export_carries(name, fmt, tree, chip)
 # The ways a training loop shards a step (DESIGN.md §2), on a 4-device v5e with
 # a (4096, 4096) leaf sharded by rows: where the operands' layout is known while
 # tracing (Explicit axes, in context or in the operands' types) the kernel runs
-# per shard; under Auto axes XLA lays the operands out, so "auto" runs XLA and
-# "pallas" runs the kernel on gathered operands. (A jit whose every argument
-# is sharded on one mesh traces under that mesh, its axes Auto; with no mesh
-# known at all "pallas" is an error naming jax.set_mesh,
-# test_lowering_dispatch.py.)
+# per shard; under set_mesh with Auto axes XLA lays the operands out, so "auto"
+# runs XLA and "pallas" runs the kernel on gathered operands; where XLA
+# partitions with no mesh known, "auto" runs XLA and "pallas" says to use
+# jax.set_mesh.
 _CONTEXTS = {
     # context: (what "auto" compiles, what "pallas" compiles)
-    "jit shardings": ("xla", "gathered"),
-    "with mesh": ("xla", "gathered"),
+    "jit shardings": ("xla", "error"),
+    "with mesh": ("xla", "error"),
     "explicit, no mesh": ("per shard", "per shard"),
     "set_mesh explicit": ("per shard", "per shard"),
     "set_mesh auto": ("xla", "gathered"),
@@ -187,17 +186,24 @@ def _compile_in_context(context, impl):
   shardings = jax.tree.map(lambda x: x.sharding, (params, params, state))
   step = jax.jit(_fused(tx), donate_argnums=(0, 2),
                  **({"in_shardings": shardings} if context == "jit shardings" else {}))
-  scope = {"with mesh": mesh, "set_mesh explicit": jax.set_mesh(mesh),
-           "set_mesh auto": jax.set_mesh(mesh)}.get(context, contextlib.nullcontext())
+  # (jax.set_mesh(mesh) called outside a `with` sets the mesh for good: only here.)
+  if context.startswith("set_mesh"):
+    scope = jax.set_mesh(mesh)
+  else:
+    scope = mesh if context == "with mesh" else contextlib.nullcontext()
   with scope:
     return traffic(step.lower(params, params, state).compile())
 
 
 @pytest.mark.parametrize("impl", ["auto", "pallas"])
 @pytest.mark.parametrize("context", list(_CONTEXTS))
-def test_every_way_of_sharding_a_step_compiles_per_shard_where_the_layout_is_known(context, impl):
+def test_every_way_of_sharding_a_step_runs_per_shard_or_says_why_not(context, impl):
   aot_targets.require("v5e")
   expected = _CONTEXTS[context][impl == "pallas"]
+  if expected == "error":
+    with pytest.raises(ValueError, match=r"partitioner splits.*jax\.set_mesh"):
+      _compile_in_context(context, impl)
+    return
   t = _compile_in_context(context, impl)
   local_params = 4096 * 4096 // 4
   assert t.kernels == (expected != "xla"), t
