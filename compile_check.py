@@ -45,6 +45,7 @@ __all__ = [
     "Traffic",
     "traffic",
     "relayouts_at_least",
+    "measure_step",
     "gpu_target_config",
     "main",
 ]
@@ -405,7 +406,12 @@ def _step(tx, fused: bool):
   return update_then_apply
 
 
-def _measure(tx, tree, target: str, fused: bool):
+def measure_step(tx, tree: Any, target: str, fused: bool) -> Traffic:
+  """`traffic` of one step of ``tx`` on params ``tree``, compiled for ``target``.
+
+  ``fused``: ``pallasopt.optim.apply_gradients``; else ``tx.update`` and
+  ``optax.apply_updates``. Params and state are donated, as a training loop does.
+  """
   import jax
 
   state = jax.eval_shape(tx.init, tree)
@@ -440,8 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   tx = make(**json.loads(args.kwargs))
   fused = args.mode == "fused"
   params = sum(math.prod(x.shape) for x in tree.values())
-  ours = _measure(tx, tree, args.target, fused)
-  baseline = _measure(optax.adamw(1e-3), tree, args.target, fused=False)
+  ours = measure_step(tx, tree, args.target, fused)
+  baseline = measure_step(optax.adamw(1e-3), tree, args.target, fused=False)
   print(f"{args.optimizer} {args.kwargs} on {args.target}, {args.mode} step, {params:,} params")
   print(f"  Pallas kernels: {ours.kernels}")
   print(f"  HBM bytes per param: {ours.hbm_bytes / params:.2f} "
@@ -452,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   print("  per leaf shape (a one-leaf step):")
   for shape_dtype in sorted({(x.shape, str(x.dtype)) for x in tree.values()}):
     leaf = {"x": next(x for x in tree.values() if (x.shape, str(x.dtype)) == shape_dtype)}
-    one = _measure(tx, leaf, args.target, fused)
+    one = measure_step(tx, leaf, args.target, fused)
     what = f"{one.kernels} kernel(s)" if one.kernels else "XLA"
     print(f"    {shape_dtype[0]} {shape_dtype[1]}: {what}")
   return 0

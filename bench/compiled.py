@@ -51,20 +51,17 @@ def measure(target: str, tree, impl: str = "auto") -> list[dict]:
   import pallasopt
   from pallasopt import compile_check
 
-  def run(tx, params, fused):
-    step = (functools.partial(pallasopt.optim.apply_gradients, tx) if fused
-            else lambda p, g, s: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
-    state = jax.eval_shape(tx.init, params)
-    return compile_check.traffic(compile_check.compile_for(
-        step, target, params, params, state, donate_argnums=(0, 2)))
+  run = functools.partial(compile_check.measure_step, target=target)
 
   as_dtype = lambda dtype: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), tree)
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
-  optax_steps = {d: run(optax.adamw(1e-3), as_dtype(d), False) for d in ("float32", "bfloat16")}
+  optax_steps = {
+      d: run(optax.adamw(1e-3), as_dtype(d), fused=False) for d in ("float32", "bfloat16")
+  }
   rows = [dict(case=f"optax.adamw {d}", **_row(t, t, n)) for d, t in optax_steps.items()]
   for label, kwargs, dtype, fused in CASES:
-    t = run(pallasopt.optim.adamw(1e-3, impl=impl, **kwargs), as_dtype(dtype), fused)
+    t = run(pallasopt.optim.adamw(1e-3, impl=impl, **kwargs), as_dtype(dtype), fused=fused)
     rows.append(dict(case=f"{impl} {label}", **_row(t, optax_steps[dtype], n)))
   return rows
 
