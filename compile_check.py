@@ -23,6 +23,8 @@ and the NVIDIA H100, A100 and B200 from their published device facts (the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import dataclasses
 import functools
 import json
@@ -30,7 +32,10 @@ import math
 import os
 import pathlib
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -42,6 +47,8 @@ __all__ = [
     "on_device",
     "compile_for",
     "compiled_kernels",
+    "KernelResources",
+    "compile_with_resources",
     "Traffic",
     "traffic",
     "relayouts_at_least",
@@ -193,6 +200,156 @@ def compiled_kernels(compiled) -> dict[str, int]:
   """The Pallas kernels of each kind in a compiled module."""
   text = compiled.as_text()
   return {kind: len(pattern.findall(text)) for kind, pattern in _COMPILED_CALLS.items()}
+
+
+# ---- What the target's compiler gave each kernel. ----
+#
+# A kernel that compiles may still be slow: a Triton or Mosaic GPU program
+# whose values outgrow the registers spills them to local memory, one more
+# round trip per value. ptxas reports it (`ptxas -v`). XLA compiles the Triton
+# kernels with the rest of the module's PTX, so the module is dumped
+# (``xla_dump_to``) and ptxas, the one the ``aot`` extra pins, assembles each
+# PTX file again with ``-v``; Mosaic GPU runs ptxas itself when it compiles
+# its custom call and prints the report with MOSAIC_GPU_DUMP_PTXAS set. A TPU
+# kernel's compiled custom call records the VMEM libtpu reserved for it.
+
+
+class KernelResources(NamedTuple):
+  """What the target's compiler gave one Pallas kernel of a compiled step.
+
+  Attributes:
+    name: the kernel as the compiled module names it: a TPU custom call's
+      instruction (``adamw_apply.1``); a Triton kernel's PTX entry (its Pallas
+      name, ``name__1`` for a second variant); ``anonymous_mosaic_gpu_kernel``.
+    kind: "tpu", "triton" or "mosaic_gpu".
+    registers: registers per thread (GPU); None on a TPU.
+    spill_bytes: bytes spilled to local memory and loaded back, stores plus
+      loads (GPU); None on a TPU.
+    stack_bytes: the stack frame (GPU); None on a TPU.
+    scoped_vmem_bytes: the VMEM libtpu's Mosaic reserved for the kernel's
+      pipelined blocks and scratch (TPU; operands XLA already placed in VMEM
+      are not in it); None on a GPU.
+  """
+
+  name: str
+  kind: str
+  registers: int | None = None
+  spill_bytes: int | None = None
+  stack_bytes: int | None = None
+  scoped_vmem_bytes: int | None = None
+
+  def __str__(self) -> str:
+    if self.kind == "tpu":
+      return f"{self.name} (tpu): {self.scoped_vmem_bytes:,} B scoped VMEM"
+    return (f"{self.name} ({self.kind}): {self.registers} registers, "
+            f"{self.spill_bytes} B spilled, {self.stack_bytes} B stack")
+
+
+_PTXAS_FUNCTION = re.compile(
+    r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
+    r"(\d+) bytes spill loads\n(?:.*\n)*?ptxas info\s*: Used (\d+) registers"
+)
+
+
+def _ptxas_report(text: str, kind: str) -> list[KernelResources]:
+  """The functions of a ``ptxas -v`` report."""
+  return [
+      KernelResources(name, kind, int(regs), int(stores) + int(loads), int(stack))
+      for name, stack, stores, loads, regs in _PTXAS_FUNCTION.findall(text)
+  ]
+
+
+def _triton_resources(dump_dir: str, compiled_text: str) -> list[KernelResources]:
+  """``ptxas -v`` of the Triton kernels in the PTX an XLA dump holds."""
+  names = set(re.findall(
+      r'custom_call_target="__gpu\$xla\.gpu\.triton".*?\bname = "(\w+)"', compiled_text))
+  if not names:
+    return []
+  ptxas = shutil.which("ptxas")
+  if ptxas is None:
+    raise RuntimeError("ptxas is not on PATH: compile for the target with `devices` first.")
+  kernel = re.compile(r"(" + "|".join(map(re.escape, names)) + r")(__\d+)?")
+  found = []
+  for path in sorted(pathlib.Path(dump_dir).glob("*.ptx")):
+    ptx = path.read_text()
+    arch = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M)
+    entries = re.findall(r"^\.(?:visible\s+)?\.entry\s+(\w+)", ptx, re.M)
+    if arch is None or not any(kernel.fullmatch(e) for e in entries):
+      continue
+    report = subprocess.run(
+        [ptxas, "-v", f"--gpu-name={arch.group(1)}", str(path), "-o", os.devnull],
+        capture_output=True, text=True, check=True,
+    )
+    found += [r for r in _ptxas_report(report.stderr + report.stdout, "triton")
+              if kernel.fullmatch(r.name)]
+  return found
+
+
+@contextlib.contextmanager
+def _process_stdout():
+  """Collects what native code writes to file descriptor 1 (``.text`` on exit)."""
+  captured = argparse.Namespace(text="")
+  sys.stdout.flush()
+  saved = os.dup(1)
+  with tempfile.TemporaryFile() as sink:
+    os.dup2(sink.fileno(), 1)
+    try:
+      yield captured
+    finally:
+      ctypes.CDLL(None).fflush(None)
+      os.dup2(saved, 1)
+      os.close(saved)
+      sink.seek(0)
+      captured.text = sink.read().decode(errors="replace")
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+  before = os.environ.get(name)
+  os.environ[name] = value
+  try:
+    yield
+  finally:
+    if before is None:
+      del os.environ[name]
+    else:
+      os.environ[name] = before
+
+
+def _tpu_resources(compiled_text: str) -> list[KernelResources]:
+  found = []
+  for line in _entry(compiled_text):
+    if _COMPILED_CALLS["tpu"].search(line) is None:
+      continue
+    name = _INSTRUCTION.match(line).group(1)
+    configs = re.search(r'"used_scoped_memory_configs":\[([^\]]*)\]', line)
+    vmem = sum(int(size) for space, size in re.findall(
+        r'"memory_space":"(\d+)","offset":"\d+","size":"(\d+)"', configs.group(1) if configs else "")
+        if space == "1")
+    found.append(KernelResources(name, "tpu", scoped_vmem_bytes=vmem))
+  return found
+
+
+def compile_with_resources(
+    fn: Callable, target: str, *args: Any, donate_argnums: Sequence[int] = ()
+) -> tuple[Any, tuple[KernelResources, ...]]:
+  """`compile_for`, and what the target's compiler gave each Pallas kernel (`KernelResources`).
+
+  On a GPU, every distinct Triton and Mosaic GPU kernel of the module (XLA
+  compiles identical kernels once); on a TPU, every kernel custom call.
+  """
+  import jax
+
+  placed = [on_device(a, target) for a in args]
+  lowered = jax.jit(fn, donate_argnums=tuple(donate_argnums)).lower(*placed)
+  if TARGETS[target][0] == "tpu":
+    compiled = lowered.compile()
+    return compiled, tuple(_tpu_resources(compiled.as_text()))
+  with tempfile.TemporaryDirectory() as dump:
+    with _process_stdout() as mosaic_report, _environment("MOSAIC_GPU_DUMP_PTXAS", "1"):
+      compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+    triton = _triton_resources(dump, compiled.as_text())
+  return compiled, tuple(triton + _ptxas_report(mosaic_report.text, "mosaic_gpu"))
 
 
 # ---- What a compiled module moves. ----
@@ -412,10 +569,14 @@ def measure_step(tx, tree: Any, target: str, fused: bool) -> Traffic:
   ``fused``: ``pallasopt.optim.apply_gradients``; else ``tx.update`` and
   ``optax.apply_updates``. Params and state are donated, as a training loop does.
   """
+  return traffic(_compiled_step(tx, tree, target, fused, compile_for))
+
+
+def _compiled_step(tx, tree: Any, target: str, fused: bool, compile_fn: Callable):
   import jax
 
   state = jax.eval_shape(tx.init, tree)
-  return traffic(compile_for(_step(tx, fused), target, tree, tree, state, donate_argnums=(0, 2)))
+  return compile_fn(_step(tx, fused), target, tree, tree, state, donate_argnums=(0, 2))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -446,10 +607,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   tx = make(**json.loads(args.kwargs))
   fused = args.mode == "fused"
   params = sum(math.prod(x.shape) for x in tree.values())
-  ours = measure_step(tx, tree, args.target, fused)
+  compiled, kernels = _compiled_step(tx, tree, args.target, fused, compile_with_resources)
+  ours = traffic(compiled)
   baseline = measure_step(optax.adamw(1e-3), tree, args.target, fused=False)
   print(f"{args.optimizer} {args.kwargs} on {args.target}, {args.mode} step, {params:,} params")
   print(f"  Pallas kernels: {ours.kernels}")
+  for kernel in kernels:
+    print(f"    {kernel}")
   print(f"  HBM bytes per param: {ours.hbm_bytes / params:.2f} "
         f"(optax.adamw: {baseline.hbm_bytes / params:.2f})")
   print(f"  temporary memory: {ours.temp_bytes} B (optax.adamw: {baseline.temp_bytes} B)")

@@ -222,8 +222,14 @@ def _kernel(
 _TPU_BLOCKWISE_COLS = 2048
 _TPU_BLOCKWISE_ELEMENTS = 1 << 18
 _TPU_MAX_BLOCKWISE_ELEMENTS = 1 << 19
-# Triton: elements per block of an elementwise kernel (registers, 4 warps).
+# Triton: elements per block of an elementwise kernel (registers), and the
+# warps that share a block. Quantizing to a dynamic map holds more values per
+# element: at 4 warps ptxas gives a blockwise kernel 255 registers and spills
+# (MARS int8 136-168 B, AdamW int8 on an A100 16 B); at 8 warps it needs 40-190
+# and spills none (the compile tier checks every target).
 _TRITON_BLOCK_ELEMENTS = 2048
+_TRITON_WARPS = 4
+_TRITON_BLOCKWISE_WARPS = 8
 
 
 def _tpu_blockwise_block(rows: int, cols: int) -> tuple[int, int] | None:
@@ -373,7 +379,10 @@ def elementwise_call(
       out_specs=[per_block if k in block_outputs else block for k in range(len(out_dtypes))],
       # Operand i is pallas_call input i + 1: input 0 is the scalar vector.
       input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
-      compiler_params=_compat.compiler_params(backend, ("parallel",) * 3, interpret=interpret),
+      compiler_params=_compat.compiler_params(
+          backend, ("parallel",) * 3, interpret=interpret,
+          num_warps=_TRITON_BLOCKWISE_WARPS if blockwise else _TRITON_WARPS,
+      ),
       interpret=interpret,
       name=name,
       cost_estimate=pl.CostEstimate(

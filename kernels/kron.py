@@ -96,10 +96,15 @@ RMS_CLIP = 1.1
 PRECISIONS = (None, "bfloat16", "tensorfloat32", "float32")
 _MODES = ("precond", "updates", "apply")
 # Per-grid-step working set, in f32 elements of the blocks (TPU: ~4 MiB,
-# double-buffered), and the Triton caps (a program keeps its tiles in registers).
+# double-buffered), and the Triton caps: a program keeps its tiles in
+# registers, and ptxas spills both kernels from 128 per side on (5-10 KB per
+# thread at 4 warps, 0.4-2 KB at 8 or 16). At 64 per side 4 warps still
+# spill the dense factor update on an A100 (456 B); 8 warps spill nothing on
+# any target (the compile tier).
 _TPU_MAX_BLOCK_ELEMENTS = 1 << 20
 _TPU_VMEM_LIMIT = 48 << 20
-_TRITON_MAX_DIM = 128
+_TRITON_MAX_DIM = 64
+_TRITON_WARPS = 8
 _TRITON_CHUNK = 64
 _TPU_CHUNK = 512
 
@@ -478,7 +483,7 @@ def _plan_view(m: int, n: int, left: str, right: str, backend: str) -> _View:
 def _layer_compiler_params(backend: str, interpret: bool):
   """Both Kron kernels: one program per layer, its blocks whole in VMEM/SRAM."""
   return _compat.compiler_params(
-      backend, ("parallel",), num_warps=4, num_stages=1, vmem_limit_bytes=_TPU_VMEM_LIMIT,
+      backend, ("parallel",), num_warps=_TRITON_WARPS, num_stages=1, vmem_limit_bytes=_TPU_VMEM_LIMIT,
       interpret=interpret,
   )
 

@@ -12,6 +12,7 @@ same kernels as a ``jax.export`` naming that chip.
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,29 @@ def test_elementwise_families_compile_with_the_chips_kernels(family, fmt, chip):
   assert _all_kernels(compiled) == auto_kernels(fmt, chip)
   assert _exported_kernels(_fused(tx), chip, FAMILY_TREE, FAMILY_TREE, state) == auto_kernels(
       fmt, chip)
+  if CHIPS[chip][1] == "tpu":
+    # The kernel path needs no more temporary memory than Optax's step.
+    ours = compiled.memory_analysis().temp_size_in_bytes
+    assert ours <= _optax_temp_bytes(family, chip), (ours, _optax_temp_bytes(family, chip))
+
+
+# Optax's own step for each elementwise family (MARS has none in Optax: AdamW,
+# whose state is the same two moments).
+_OPTAX_COUNTERPARTS = {"adamw": optax.adamw, "lion": optax.lion, "rmsprop": optax.rmsprop,
+                       "mars": optax.adamw}
+
+
+@functools.cache
+def _optax_temp_bytes(family, chip):
+  tx = _OPTAX_COUNTERPARTS[family](1e-3)
+
+  def step(params, grads, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = jax.eval_shape(tx.init, FAMILY_TREE)
+  compiled = compile_for(step, chip, FAMILY_TREE, FAMILY_TREE, state)
+  return compiled.memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("chip", ["v5e", "h100", "a100"])
@@ -115,9 +139,10 @@ def test_bf16_newton_schulz_compiles_wgmma_on_hopper_only(chip):
   assert compiled_kernels(compiled) == {"tpu": 0, "triton": 1, "mosaic_gpu": 20}
 
 
-# Kron's and White-Kron's Triton kernel takes layers of at most 128 per side
-# (README): the small tree runs it on a GPU, the larger matrices run XLA.
-_TREES = {"matrices": _MUON_TREE, "small": {"w": sds((64, 128)), "b": sds((128,))}}
+# Kron's and White-Kron's Triton kernel takes layers of at most 64 per side
+# (README; `test_gpu_kernels_spill_nothing`): the small tree runs it on a GPU,
+# the larger matrices run XLA.
+_TREES = {"matrices": _MUON_TREE, "small": {"w": sds((32, 64)), "b": sds((64,))}}
 
 
 _OTHER_FAMILIES = {
@@ -125,8 +150,8 @@ _OTHER_FAMILIES = {
         1e-3, momentum=0.9 if fmt else None, state_format=fmt),
     "muon": lambda fmt: pallasopt.optim.muon(1e-3, state_format=fmt),
     "kron": lambda fmt: pallasopt.optim.kron(1e-3),
-    "quad": lambda fmt: pallasopt.optim.quad(1e-3, block_size=128),
-    "skew": lambda fmt: pallasopt.optim.skew(1e-3, block_size=128),
+    "quad": lambda fmt: pallasopt.optim.quad(1e-3, block_size=64),
+    "skew": lambda fmt: pallasopt.optim.skew(1e-3, block_size=64),
 }
 # Families with a state_format take each format on the matrices; the
 # Kron-kernel families also take the small tree their GPU kernel runs on.
@@ -149,6 +174,54 @@ def test_other_families_compile_what_their_export_carries(name, fmt, tree, chip)
   # small tree, the Kron-kernel families (Muon's f32 Newton-Schulz runs XLA).
   if CHIPS[chip][1] == "tpu" or name == "adafactor" or tree == "small":
     assert kernels > 0, name
+
+
+# ---- What ptxas gives each GPU kernel: registers, and no spills. ----
+#
+# A kernel that spills registers to local memory pays a round trip for every
+# spilled value. Every GPU kernel is compiled here under impl="pallas" (a
+# blockwise matrix read in place, a long vector read as rows of blocks, a
+# small vector in f32) and ptxas's report (`compile_check.compile_with_resources`)
+# must show no spill, except the one named below.
+
+_SPILL_TREE = {**FAMILY_TREE, "v": sds((1 << 16,))}
+_GPU_CASES = {
+    **{f"{family}-{fmt}": (lambda f=family, m=fmt: ELEMENTWISE_FAMILIES[f]("pallas", m), _SPILL_TREE)
+       for family in ELEMENTWISE_FAMILIES for fmt in STATE_FORMATS},
+    **{f"adafactor-{fmt}": (lambda m=fmt: pallasopt.optim.adafactor(
+        1e-3, momentum=0.9 if m else None, state_format=m, impl="pallas"), _SPILL_TREE)
+       for fmt in STATE_FORMATS},
+    "muon-bf16": (lambda: _muon("pallas"), _MUON_TREE),
+    **{name: (lambda n=name: _OTHER_FAMILIES[n](None), _TREES["small"])
+       for name in ("kron", "quad", "skew")},
+}
+# Accepted: on an A100 (sm_80, mma.sync keeps its fragments in registers)
+# Kron's dense factor update at 64 per side spills about half a KiB per
+# thread at any warp count; it runs only on the steps that update the
+# preconditioner (psgd's probability schedule falls to 3%), while the every-step
+# preconditioner application spills nothing.
+_ACCEPTED_SPILLS = {("a100", "kron_factor_update_dense"): 512}
+
+
+@pytest.mark.parametrize("chip", ["h100", "a100", "b200"])
+@pytest.mark.parametrize("case", list(_GPU_CASES))
+def test_gpu_kernels_spill_nothing(case, chip):
+  from pallasopt.compile_check import compile_with_resources
+
+  aot_targets.require(chip)
+  make, params = _GPU_CASES[case]
+  tx = make()
+  state = jax.eval_shape(tx.init, params)
+  try:
+    _, kernels = compile_with_resources(_fused(tx), chip, params, params, state)
+  except ValueError as e:  # fp8 below sm_89, wgmma off Hopper: refused (tests above)
+    assert "cannot run on" in str(e)
+    return
+  assert kernels, case
+  for k in kernels:
+    assert 0 < k.registers <= 255, k
+    allowed = _ACCEPTED_SPILLS.get((chip, k.name.split("__")[0]), 0)
+    assert k.spill_bytes <= allowed, k
 
 
 # The ways a training loop shards a step (DESIGN.md §2), on a 4-device v5e with
@@ -310,6 +383,7 @@ def test_compile_check_reports_a_config_for_a_target(capsys):
   out = capsys.readouterr().out
   assert status == 0
   assert "Pallas kernels: 1" in out  # the matrix; the vector keeps f32 state, too small
+  assert re.search(r"adamw_apply\S* \(tpu\): [\d,]+ B scoped VMEM", out), out
   assert "(1024, 1024) float32: 1 kernel(s)" in out and "(1024,) float32: XLA" in out
   assert "relayouts of 1 MiB or more: []" in out
   with pytest.raises(SystemExit):

@@ -25,7 +25,7 @@ def _factor(rng, batch, d, kind):
 
 @pytest.mark.parametrize(
     "shape,kinds",
-    [((7,), ("diag",)), ((6, 7), ("dense", "dense")), ((64, 128), ("dense", "dense")),
+    [((7,), ("diag",)), ((6, 7), ("dense", "dense")), ((48, 64), ("dense", "dense")),
      ((100, 30), ("dense", "diag")), ((3, 4, 5), ("dense", "diag", "dense"))],
     ids=str,
 )
@@ -44,7 +44,7 @@ def test_triton_precondition_equals_reference(shape, kinds, mode):
     assert_close(a, b, 2e-3)
 
 
-@pytest.mark.parametrize("kind,d,r", [("dense", 16, 300), ("dense", 100, 64), ("diag", 7, 30)])
+@pytest.mark.parametrize("kind,d,r", [("dense", 16, 300), ("dense", 60, 64), ("diag", 7, 30)])
 def test_triton_factor_update_equals_reference(kind, d, r):
   rng = np.random.default_rng(1)
   q = _factor(rng, 3, d, kind)
@@ -57,8 +57,8 @@ def test_triton_factor_update_equals_reference(kind, d, r):
 
 def test_fused_transform_on_gpu_matches_xla_over_steps():
   rng = np.random.default_rng(2)
-  params = {"w": jnp.asarray(rng.standard_normal((2, 64, 96)), jnp.float32),
-            "b": jnp.asarray(rng.standard_normal((2, 96)), jnp.float32)}
+  params = {"w": jnp.asarray(rng.standard_normal((2, 48, 64)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)}
   results = []
   for impl in ("pallas", "xla"):
     tx = kron(1e-3, weight_decay=0.1, stacked_axes=1, impl=impl,

@@ -29,6 +29,11 @@ def _factors(batch, shape, kinds):
   ]
 
 
+def _kernel_runs(platform, *dims):
+  """1 where the kernel takes a layer of ``dims``: on Triton at most 64 per side (README)."""
+  return int(platform == "tpu" or max(dims, default=1) <= 64)
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize(
     "shape,kinds,dtype,mode",
@@ -47,7 +52,7 @@ def test_precondition_kernel_lowers(platform, shape, kinds, dtype, mode):
   s = kk.kron_scalars(jnp.int32(3), 1e-3, 0.9, 0.1)
   fn = lambda g, mu, p, qs, s: kk.kron_precondition(g, mu, p, qs, s, mode=mode, decay=True, impl="auto")
   text = lowered_text(fn, platform, g, g, g, qs, s)
-  assert text.count(CUSTOM_CALL[platform]) == 1
+  assert text.count(CUSTOM_CALL[platform]) == _kernel_runs(platform, *shape)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -60,7 +65,8 @@ def test_factor_update_kernel_lowers(platform, q_shape, r):
   q = _sds(q_shape)
   x = _sds(q_shape[:2] + (r,))
   fn = lambda q, x, y: kk.kron_factor_update(q, x, y, 0.1, impl="auto")
-  assert lowered_text(fn, platform, q, x, x).count(CUSTOM_CALL[platform]) == 1
+  expected = _kernel_runs(platform, q_shape[1])
+  assert lowered_text(fn, platform, q, x, x).count(CUSTOM_CALL[platform]) == expected
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
