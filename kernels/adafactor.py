@@ -53,7 +53,9 @@ R, C and the partial sums of `_reduction` are a few percent more):
   (clipping, parameter scale), apply mode: 8 + 4 + 12 = **24 bytes per
   parameter**; updates mode 20 (+12 for ``optax.apply_updates``).
 
-* **unfactored** (elementwise view, one block per slice):
+* **unfactored** (the leaf's own ``[P, R, C]`` view, `leaf_view`, where
+  each RMS block is whole matrices of it; rows of the block's elements only
+  where stacked axes reach into the last two dims):
 
   1. only with clipping or parameter scale: reads ``g`` and ``v`` for
      :math:`\sum u^2` (with clipping) and ``p`` for :math:`\sum p^2` (with
@@ -103,7 +105,7 @@ import numpy as np
 
 from pallasopt.kernels import _reduction as red
 from pallasopt.kernels._dispatch import dispatch
-from pallasopt.kernels._tiling import BlockPlan, plan_blocks
+from pallasopt.kernels._tiling import BlockPlan, leaf_view, plan_blocks
 
 __all__ = [
     "AdafactorScalars",
@@ -417,8 +419,17 @@ def _factored_direction(s, p, g, v_row, v_col, v, view, dims, *, clipping, param
 
 def _unfactored_direction(s, p, g, v, blocks, *, clipping, parameter_scale,
                           call) -> _Direction:
-  """RMS pass of an unfactored leaf (with clipping or parameter scale)."""
-  plan = red.plan_flat(blocks, g.size // blocks, call["backend"])
+  """RMS pass of an unfactored leaf (with clipping or parameter scale).
+
+  The leaf is read in its own layout (`leaf_view`) where each RMS block is
+  whole matrices of that view; otherwise (stacked axes reaching into the last
+  two) as rows of its blocks (`plan_flat`, a relayout on TPU).
+  """
+  view = leaf_view(g.shape)
+  if view[0] % blocks == 0:
+    plan = plan_blocks(view, call["backend"])
+  else:
+    plan = red.plan_flat(blocks, g.size // blocks, call["backend"])
   operands = [_full(plan, g), _full(plan, v)]
 
   def fn(t, g, v):

@@ -371,6 +371,24 @@ def test_every_tpu_generation_takes_a_leaf_in_place(chip):
     assert rows[case]["hbm_vs_optax"] <= bound and rows[case]["relayouts_1mib"] == [], rows[case]
 
 
+# Adafactor's unfactored leaves (a side under min_dim_size_to_factor, a
+# vector, a stack of them) and its factored ones, and Muon's Newton-Schulz
+# and AdamW leaves, reach their kernels as XLA stores them.
+_IN_PLACE_TREE = {"w": sds((96, 8192)), "x": sds((4, 96, 2048)), "b": sds((8192,)),
+                  "f": sds((1024, 2048))}
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("name", ["adafactor", "muon"])
+def test_other_families_read_leaves_in_place_on_tpu(name, chip):
+  from pallasopt.compile_check import measure_step, relayouts_at_least
+
+  aot_targets.require(chip)
+  tx = _OTHER_FAMILIES[name](None)
+  t = measure_step(tx, _IN_PLACE_TREE, chip, fused=True)
+  assert t.kernels > 0 and relayouts_at_least(t, 1 << 20) == [], t
+
+
 def test_compile_check_reports_a_config_for_a_target(capsys):
   aot_targets.require("v5e")
   from pallasopt import compile_check
