@@ -52,6 +52,7 @@ __all__ = [
     "Traffic",
     "traffic",
     "relayouts_at_least",
+    "optimizer_step",
     "measure_step",
     "gpu_target_config",
     "main",
@@ -548,7 +549,12 @@ def _parse_shapes(text: str, dtype: str):
   return tree
 
 
-def _step(tx, fused: bool):
+def optimizer_step(tx, fused: bool) -> Callable:
+  """One step ``(params, grads, state) -> (params, state)`` of a pallasopt transform.
+
+  ``fused``: `pallasopt.optim.apply_gradients`; else ``tx.update`` and
+  ``optax.apply_updates``, as an Optax training loop writes it.
+  """
   import optax
 
   from pallasopt import optim
@@ -576,7 +582,7 @@ def _compiled_step(tx, tree: Any, target: str, fused: bool, compile_fn: Callable
   import jax
 
   state = jax.eval_shape(tx.init, tree)
-  return compile_fn(_step(tx, fused), target, tree, tree, state, donate_argnums=(0, 2))
+  return compile_fn(optimizer_step(tx, fused), target, tree, tree, state, donate_argnums=(0, 2))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

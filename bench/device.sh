@@ -6,6 +6,14 @@
 #   bench/device.sh env                 # device, driver and package versions
 #   bench/device.sh tests [pytest args] # pytest -m gpu, log + junit XML in $OUT
 #   bench/device.sh bench [bench args]  # python -m bench.kernels, resumable
+#   bench/device.sh all                 # env, tests, then the priority rows, in one
+#                                       # device call of at most $ALL_SECONDS (540)
+#
+# `all` is the first call of a GPU session: the tests get at most 240 s, the
+# bench the rest, priority rows first (8-bit and bf16 state at a 16M leaf,
+# GPT-2 small and the 1B decoder; Muon at 4096^2 and on GPT-2 small; Adafactor's
+# trees); the JSONL and its table land in $OUT. A second call of `bench` with
+# the same --out resumes where the first stopped.
 #
 # Logs and results go to $OUT (default /tmp/pallasopt-out). Set
 # PALLASOPT_COMMIT=<sha> when the checkout has no .git, so every bench record
@@ -19,7 +27,7 @@ export PYTHONPATH=/tmp/pallasopt-import:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 
-step=${1:?usage: bench/device.sh env|tests|bench [args]}
+step=${1:?usage: bench/device.sh env|tests|bench|all [args]}
 shift
 case $step in
   env)
@@ -41,8 +49,18 @@ EOF
   bench)
     $python -m bench.kernels "$@" 2>&1 | tee -a "$out/bench.log"
     ;;
+  all)
+    budget=${ALL_SECONDS:-540}
+    start=$SECONDS
+    "$0" env 2>&1 | tee "$out/env.log"
+    timeout 240 "$0" tests -n 4
+    left=$((budget - (SECONDS - start)))
+    priority='^(adamw|lion)/(leaf/f32/16777216|gpt2-small/f32|decoder-1b/f32)/(bf16-sr/)?state-'
+    priority+='|^muon/(matrix/4096x4096|gpt2-small/f32)|^adafactor/(gpt2-small|decoder-1b)/f32/[a-z]'
+    timeout "$((left > 30 ? left - 30 : 1))" "$0" bench --filter "$priority" --out "$out/kernels-full.jsonl"
+    ;;
   *)
-    echo "unknown step: $step (env, tests or bench)" >&2
+    echo "unknown step: $step (env, tests, bench or all)" >&2
     exit 2
     ;;
 esac

@@ -22,6 +22,7 @@ import pytest
 import aot_targets
 import pallasopt
 from aot_targets import TPU_TARGETS, compile_for, compiled_kernels
+from pallasopt.compile_check import optimizer_step
 from helpers import (
     CHIPS, CUSTOM_CALL, ELEMENTWISE_FAMILIES, FAMILY_TREE, STATE_FORMATS, auto_kernels,
     lowered_text, sds,
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.aot
 
 
 def _fused(tx):
-  return functools.partial(pallasopt.optim.apply_gradients, tx)
+  return optimizer_step(tx, fused=True)
 
 
 def _exported_kernels(fn, chip, *args):
@@ -70,13 +71,8 @@ _OPTAX_COUNTERPARTS = {"adamw": optax.adamw, "lion": optax.lion, "rmsprop": opta
 @functools.cache
 def _optax_temp_bytes(family, chip):
   tx = _OPTAX_COUNTERPARTS[family](1e-3)
-
-  def step(params, grads, state):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
   state = jax.eval_shape(tx.init, FAMILY_TREE)
-  compiled = compile_for(step, chip, FAMILY_TREE, FAMILY_TREE, state)
+  compiled = compile_for(optimizer_step(tx, fused=False), chip, FAMILY_TREE, FAMILY_TREE, state)
   return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -88,12 +84,7 @@ def test_update_mode_compiles_the_chips_choice(family, fmt, chip):
   aot_targets.require(chip)
   tx = ELEMENTWISE_FAMILIES[family]("auto", fmt)
   state = jax.eval_shape(tx.init, FAMILY_TREE)
-
-  def step(params, grads, state):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  compiled = compile_for(step, chip, FAMILY_TREE, FAMILY_TREE, state)
+  compiled = compile_for(optimizer_step(tx, fused=False), chip, FAMILY_TREE, FAMILY_TREE, state)
   assert _all_kernels(compiled) == auto_kernels(fmt, chip, "updates")
 
 
@@ -149,6 +140,10 @@ _OTHER_FAMILIES = {
     "adafactor": lambda fmt: pallasopt.optim.adafactor(
         1e-3, momentum=0.9 if fmt else None, state_format=fmt),
     "muon": lambda fmt: pallasopt.optim.muon(1e-3, state_format=fmt),
+    # Muon's other Newton-Schulz paths: bf16 iterates, symmetric products.
+    "muon bf16": lambda fmt: pallasopt.optim.muon(1e-3, iter_dtype=jnp.bfloat16),
+    **{f"muon gram_levels={levels}": lambda fmt, n=levels: pallasopt.optim.muon(
+        1e-3, gram_levels=n) for levels in (0, 2, 4)},
     "kron": lambda fmt: pallasopt.optim.kron(1e-3),
     "quad": lambda fmt: pallasopt.optim.quad(1e-3, block_size=64),
     "skew": lambda fmt: pallasopt.optim.skew(1e-3, block_size=64),
@@ -157,19 +152,22 @@ _OTHER_FAMILIES = {
 # Kron-kernel families also take the small tree their GPU kernel runs on.
 _OTHER_CASES = [
     *((name, fmt, "matrices") for name in ("adafactor", "muon") for fmt in STATE_FORMATS),
+    *((name, None, "matrices") for name in _OTHER_FAMILIES if name.startswith("muon ")),
     *((name, None, tree) for name in ("kron", "quad", "skew") for tree in sorted(_TREES)),
 ]
 
 
 @pytest.mark.parametrize("chip", ["v5e", "h100", "a100"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "update"])
 @pytest.mark.parametrize("name,fmt,tree", _OTHER_CASES, ids=str)
-def test_other_families_compile_what_their_export_carries(name, fmt, tree, chip):
+def test_other_families_compile_what_their_export_carries(name, fmt, tree, fused, chip):
   aot_targets.require(chip)
   params = _TREES[tree]
   tx = _OTHER_FAMILIES[name](fmt)
   state = jax.eval_shape(tx.init, params)
-  kernels = _all_kernels(compile_for(_fused(tx), chip, params, params, state))
-  assert kernels == _exported_kernels(_fused(tx), chip, params, params, state)
+  step = optimizer_step(tx, fused)
+  kernels = _all_kernels(compile_for(step, chip, params, params, state))
+  assert kernels == _exported_kernels(step, chip, params, params, state)
   # Every family has a Mosaic kernel; on CUDA so do Adafactor and, on the
   # small tree, the Kron-kernel families (Muon's f32 Newton-Schulz runs XLA).
   if CHIPS[chip][1] == "tpu" or name == "adafactor" or tree == "small":
