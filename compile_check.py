@@ -319,8 +319,8 @@ def _environment(name: str, value: str):
 
 def _tpu_resources(compiled_text: str) -> list[KernelResources]:
   found = []
-  for line in _entry(compiled_text):
-    if _COMPILED_CALLS["tpu"].search(line) is None:
+  for line in compiled_text.splitlines():  # every computation: kernels under a cond too
+    if _COMPILED_CALLS["tpu"].search(line) is None or _INSTRUCTION.match(line) is None:
       continue
     name = _INSTRUCTION.match(line).group(1)
     configs = re.search(r'"used_scoped_memory_configs":\[([^\]]*)\]', line)

@@ -387,6 +387,22 @@ def test_other_families_read_leaves_in_place_on_tpu(name, chip):
   assert t.kernels > 0 and relayouts_at_least(t, 1 << 20) == [], t
 
 
+@pytest.mark.parametrize("chip", TPU_TARGETS)
+def test_kron_takes_a_512_square_layer_on_every_tpu_generation(chip):
+  # Kron's TPU cap, 2^21 f32 elements of blocks, fits the least VMEM of the
+  # five generations (v4's 16 MiB): both kernels take a 512 x 512 layer.
+  from pallasopt.compile_check import compile_with_resources
+
+  aot_targets.require(chip)
+  params = {"w": sds((512, 512))}
+  tx = pallasopt.optim.kron(1e-3, preconditioner_update_probability=1.0)
+  state = jax.eval_shape(tx.init, params)
+  _, kernels = compile_with_resources(_fused(tx), chip, params, params, state)
+  names = {k.name.split(".")[0] for k in kernels}
+  assert names == {"kron_precondition_apply", "kron_factor_update_dense"}, kernels
+  assert all(0 < k.scoped_vmem_bytes <= 16 << 20 for k in kernels), kernels
+
+
 def test_compile_check_reports_a_config_for_a_target(capsys):
   aot_targets.require("v5e")
   from pallasopt import compile_check
