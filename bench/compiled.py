@@ -1,14 +1,15 @@
 """``python -m bench.compiled``: what optimizer steps move, compiled for real targets.
 
 Compiles, for a compile-only TPU or GPU target (`pallasopt.compile_check`,
-the ``aot`` extra, ``JAX_PLATFORMS=cpu``), one step of Optax's AdamW and of
-pallasopt's AdamW under ``impl="auto"`` in each mode and state format, on a
-4096 x 4096 leaf and on GPT-2 small's tree, and prints per parameter the
-HBM bytes the compiled module moves and XLA's ``cost_analysis()`` bytes
-(`pallasopt.compile_check.Traffic`), each against Optax's step on the same
-params, with the kernels, the relayouts of 1 MiB or more and the temporary
-memory. The compile tier asserts the same figures (tests/test_aot_compile.py).
-``--json PATH`` writes the rows.
+the ``aot`` extra, ``JAX_PLATFORMS=cpu``), one step of Optax's optimizer and
+of pallasopt's drop-in (``--optimizer``: AdamW under ``impl="auto"`` in each
+mode and state format; Adafactor under ``"auto"`` and ``"pallas"`` in each
+mode, with bf16 params and with momentum), on a 4096 x 4096 leaf and on GPT-2
+small's tree, and prints per parameter the HBM bytes the compiled module
+moves and XLA's ``cost_analysis()`` bytes (`pallasopt.compile_check.Traffic`),
+each against Optax's step on the same params, with the kernels, the
+relayouts of 1 MiB or more and the temporary memory. The compile tier asserts
+the same figures (tests/test_aot_compile.py). ``--json PATH`` writes the rows.
 """
 
 from __future__ import annotations
@@ -20,14 +21,24 @@ import math
 import os
 import sys
 
-CASES = (
-    # (label, pallasopt.optim.adamw kwargs, params dtype, fused)
-    ("update f32", {}, "float32", False),
-    ("fused f32", {}, "float32", True),
-    ("update int8", {"state_format": "int8"}, "float32", False),
-    ("fused int8", {"state_format": "int8"}, "float32", True),
-    ("fused bf16 params, int8", {"state_format": "int8"}, "bfloat16", True),
-)
+# optimizer: (impls, cases): each case (label, kwargs of both the pallasopt
+# drop-in and Optax's optimizer or None for the drop-in's only, params dtype,
+# fused), measured under each impl.
+OPTIMIZERS = {
+    "adamw": (("auto",), (
+        ("update f32", {}, "float32", False),
+        ("fused f32", {}, "float32", True),
+        ("update int8", {"state_format": "int8"}, "float32", False),
+        ("fused int8", {"state_format": "int8"}, "float32", True),
+        ("fused bf16 params, int8", {"state_format": "int8"}, "bfloat16", True),
+    )),
+    "adafactor": (("auto", "pallas"), (
+        ("update f32", {}, "float32", False),
+        ("fused f32", {}, "float32", True),
+        ("fused bf16 params", {}, "bfloat16", True),
+        ("fused f32, momentum", {"momentum": 0.9}, "float32", True),
+    )),
+}
 
 
 def trees() -> dict:
@@ -42,8 +53,13 @@ def trees() -> dict:
   }
 
 
-def measure(target: str, tree, impl: str = "auto") -> list[dict]:
-  """One row per case of `CASES` (and Optax's steps) on ``tree`` for ``target``."""
+def measure(target: str, tree, optimizer: str = "adamw", impls=None) -> list[dict]:
+  """One row per impl and case of `OPTIMIZERS` (and Optax's steps) on ``tree`` for ``target``.
+
+  Each case is measured against Optax's step with the same arguments on
+  params of the same dtype (AdamW's 8-bit cases against Optax's f32 state).
+  ``impls``: a subset of the optimizer's impls (default all).
+  """
   import jax
   import jax.numpy as jnp
   import optax
@@ -52,17 +68,25 @@ def measure(target: str, tree, impl: str = "auto") -> list[dict]:
   from pallasopt import compile_check
 
   run = functools.partial(compile_check.measure_step, target=target)
-
+  all_impls, cases = OPTIMIZERS[optimizer]
+  impls = all_impls if impls is None else impls
+  ours, theirs = getattr(pallasopt.optim, optimizer), getattr(optax, optimizer)
   as_dtype = lambda dtype: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), tree)
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
-  optax_steps = {
-      d: run(optax.adamw(1e-3), as_dtype(d), fused=False) for d in ("float32", "bfloat16")
-  }
-  rows = [dict(case=f"optax.adamw {d}", **_row(t, t, n)) for d, t in optax_steps.items()]
-  for label, kwargs, dtype, fused in CASES:
-    t = run(pallasopt.optim.adamw(1e-3, impl=impl, **kwargs), as_dtype(dtype), fused=fused)
-    rows.append(dict(case=f"{impl} {label}", **_row(t, optax_steps[dtype], n)))
+  optax_kwargs = lambda kwargs: {k: v for k, v in kwargs.items() if k != "state_format"}
+  optax_steps, rows = {}, []
+  for _, kwargs, dtype, _ in cases:
+    key = (json.dumps(optax_kwargs(kwargs), sort_keys=True), dtype)
+    if key not in optax_steps:
+      optax_steps[key] = t = run(theirs(1e-3, **optax_kwargs(kwargs)), as_dtype(dtype), fused=False)
+      extra = "".join(f" {k}={v}" for k, v in optax_kwargs(kwargs).items())
+      rows.append(dict(case=f"optax.{optimizer} {dtype}{extra}", **_row(t, t, n)))
+  for impl in impls:
+    for label, kwargs, dtype, fused in cases:
+      t = run(ours(1e-3, impl=impl, **kwargs), as_dtype(dtype), fused=fused)
+      key = (json.dumps(optax_kwargs(kwargs), sort_keys=True), dtype)
+      rows.append(dict(case=f"{impl} {label}", **_row(t, optax_steps[key], n)))
   return rows
 
 
@@ -82,6 +106,7 @@ def _row(t, optax_step, n: int) -> dict:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m bench.compiled", description=__doc__)
   parser.add_argument("--target", default="v5e")
+  parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
   parser.add_argument("--tree", choices=["4096x4096", "gpt2-small"], action="append")
   parser.add_argument("--json")
   args = parser.parse_args(argv)
@@ -94,7 +119,7 @@ def main(argv=None) -> None:
   for name, tree in trees().items():
     if args.tree and name not in args.tree:
       continue
-    out[name] = measure(args.target, tree)
+    out[name] = measure(args.target, tree, args.optimizer)
     print(f"{name} on {args.target} (per parameter; ratios against Optax's step "
           "on params of the same dtype)")
     for r in out[name]:
@@ -104,7 +129,8 @@ def main(argv=None) -> None:
             f"temp {r['temp_bytes'] / 2**20:.1f} MiB")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"target": args.target, **_provenance(), "trees": out}, f, indent=1)
+      json.dump({"target": args.target, "optimizer": args.optimizer, **_provenance(),
+                 "trees": out}, f, indent=1)
 
 
 def _provenance() -> dict:

@@ -327,7 +327,9 @@ def dispatch(
     impl: str = "auto",
     *,
     auto_on_cuda: Literal["pallas", "xla"] = "pallas",
-    auto_on_tpu: Callable[[Sequence[jax.Array]], Literal["pallas", "xla"]] | None = None,
+    auto_on_tpu: (
+        Literal["pallas", "xla"] | Callable[[Sequence[jax.Array]], Literal["pallas", "xla"]]
+    ) = "pallas",
     cuda_requirement: CudaRequirement | None = None,
     elementwise: bool = False,
 ) -> Callable[..., object]:
@@ -341,10 +343,11 @@ def dispatch(
     auto_on_cuda: what ``"auto"`` runs on a CUDA GPU: the Triton kernel
       (``"pallas"``) or the reference (``"xla"``), for a family whose Triton
       kernel is slower than XLA there. ``impl="pallas"`` still runs Triton.
-    auto_on_tpu: what ``"auto"`` runs on a TPU, ``"pallas"`` or ``"xla"``,
-      as a function of the call's array leaves (their local shards when the
-      call runs per shard): for a family whose kernel pays only on some
-      shapes or modes. None: the kernel everywhere.
+    auto_on_tpu: what ``"auto"`` runs on a TPU, ``"pallas"`` or ``"xla"``
+      (for a family whose kernel moves more bytes than XLA there), or a
+      function of the call's array leaves (their local shards when the call
+      runs per shard) that says which (for a family whose kernel pays only on
+      some shapes or modes).
     cuda_requirement: what the GPU kernel needs of the chip; on a chip
       without it ``"auto"`` runs the reference and ``"pallas"`` raises.
     elementwise: every output element depends only on the same element of
@@ -352,6 +355,8 @@ def dispatch(
   """
   if auto_on_cuda not in ("pallas", "xla"):
     raise ValueError(f"auto_on_cuda must be 'pallas' or 'xla'; got {auto_on_cuda!r}.")
+  if not callable(auto_on_tpu) and auto_on_tpu not in ("pallas", "xla"):
+    raise ValueError(f"auto_on_tpu must be 'pallas', 'xla' or a function; got {auto_on_tpu!r}.")
   impl = resolve_impl(impl)
   if impl == "xla":
     return reference
@@ -367,7 +372,7 @@ def dispatch(
       requirement = FP8_REQUIREMENT
 
     arrays = [x for x in jax.tree.leaves((args, kwargs)) if hasattr(x, "shape")]
-    on_tpu = "pallas" if auto_on_tpu is None else auto_on_tpu(arrays)
+    on_tpu = auto_on_tpu(arrays) if callable(auto_on_tpu) else auto_on_tpu
 
     def choose(target: Target):
       backend = kernel_backend(

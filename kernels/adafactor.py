@@ -67,6 +67,15 @@ R, C and the partial sums of `_reduction` are a few percent more):
 
   f32 defaults, apply mode: 12 + 20 = 32 bytes per parameter.
 
+Where each path pays. On a CUDA GPU ``impl="auto"`` runs these kernels
+(timed on an H100: 1.11x Optax on GPT-2 small, 1.20x on the 1B decoder). On a
+TPU it runs the XLA reference: compiled for v5e and v6e (`bench.compiled
+--optimizer adafactor`), XLA fuses the statistics into fewer passes than the
+kernels make (a factored matrix: 16 B/param against the kernels' 20) and the
+kernels' operands cost temporary memory and relayouts on a model's tree
+(GPT-2 small: 35-47 MB and 12-13 copies of 1 MiB or more; XLA none).
+``impl="pallas"`` still runs the Mosaic kernels there.
+
 Every per-step number (learning rate, :math:`\hat\beta_t`, thresholds, the
 per-block scale) is kernel data, never a Python constant. Math is f32 whatever
 the operand dtypes; each result is rounded once, to its own dtype. The
@@ -580,7 +589,7 @@ def adafactor_apply(
       see `adafactor_reference`.
     impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`).
   """
-  fn = dispatch(adafactor_reference, adafactor_kernel, impl)
+  fn = dispatch(adafactor_reference, adafactor_kernel, impl, auto_on_tpu="xla")
   return fn(p, g, v_row, v_col, v, m, scalars, mode="apply", factored_dims=factored_dims,
             stacked_axes=stacked_axes, clipping=clipping, parameter_scale=parameter_scale,
             momentum=momentum, decay=decay)
@@ -596,7 +605,7 @@ def adafactor_updates(
 
   ``p`` may be None without parameter scale and decay.
   """
-  fn = dispatch(adafactor_reference, adafactor_kernel, impl)
+  fn = dispatch(adafactor_reference, adafactor_kernel, impl, auto_on_tpu="xla")
   return fn(p, g, v_row, v_col, v, m, scalars, mode="updates", factored_dims=factored_dims,
             stacked_axes=stacked_axes, clipping=clipping, parameter_scale=parameter_scale,
             momentum=momentum, decay=decay)

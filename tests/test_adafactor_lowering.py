@@ -59,9 +59,20 @@ def test_adafactor_kernel_lowers(platform, case, mode):
                                           weight_decay=0.1)
   entry = adafactor_k.adafactor_apply if mode == "apply" else adafactor_k.adafactor_updates
   fn = functools.partial(entry, factored_dims=dims, stacked_axes=stacked,
-                         momentum=momentum_dtype is not None, decay=True, impl="auto")
+                         momentum=momentum_dtype is not None, decay=True, impl="pallas")
   text = lowered_text(fn, platform, *args, scalars)
   assert text.count(CUSTOM_CALL[platform]) == kernels
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_auto_runs_the_kernels_on_cuda_and_xla_on_tpu(platform):
+  # On a TPU XLA's own passes move fewer bytes (kernels/adafactor.py).
+  dims = adafactor_k.factored_dims((4096, 1024), True, 128, 0)
+  args = _leaf_args((4096, 1024), dims, jnp.float32, None)
+  scalars = adafactor_k.adafactor_scalars(jnp.int32(3), learning_rate=1e-2)
+  fn = functools.partial(adafactor_k.adafactor_apply, factored_dims=dims, impl="auto")
+  kernels = lowered_text(fn, platform, *args, scalars).count(CUSTOM_CALL[platform])
+  assert kernels == (3 if platform == "cuda" else 0)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -70,7 +81,7 @@ def test_adafactor_transform_lowers_with_its_passes_per_leaf(platform):
             "b": _sds((3072,)), "s": _sds(())}
   tx = adafactor(optax.cosine_decay_schedule(1e-2, 100), momentum=0.9, weight_decay_rate=1e-3,
                  weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
-                 stacked_axes=0)
+                 stacked_axes=0, impl="pallas")
   state = jax.eval_shape(tx.init, params)
   # Factored: statistics, RMS, update; unfactored: RMS, update.
   passes = 3 + 3 + 2 + 2
