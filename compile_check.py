@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -289,7 +290,7 @@ def _triton_resources(dump_dir: str, compiled_text: str) -> list[KernelResources
 @contextlib.contextmanager
 def _process_stdout():
   """Collects what native code writes to file descriptor 1 (``.text`` on exit)."""
-  captured = argparse.Namespace(text="")
+  captured = types.SimpleNamespace(text="")
   sys.stdout.flush()
   saved = os.dup(1)
   with tempfile.TemporaryFile() as sink:
@@ -320,9 +321,10 @@ def _environment(name: str, value: str):
 def _tpu_resources(compiled_text: str) -> list[KernelResources]:
   found = []
   for line in compiled_text.splitlines():  # every computation: kernels under a cond too
-    if _COMPILED_CALLS["tpu"].search(line) is None or _INSTRUCTION.match(line) is None:
+    instruction = _INSTRUCTION.match(line)
+    if instruction is None or _COMPILED_CALLS["tpu"].search(line) is None:
       continue
-    name = _INSTRUCTION.match(line).group(1)
+    name = instruction.group(1)
     configs = re.search(r'"used_scoped_memory_configs":\[([^\]]*)\]', line)
     vmem = sum(int(size) for space, size in re.findall(
         r'"memory_space":"(\d+)","offset":"\d+","size":"(\d+)"', configs.group(1) if configs else "")
@@ -617,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   ours = traffic(compiled)
   baseline = measure_step(optax.adamw(1e-3), tree, args.target, fused=False)
   print(f"{args.optimizer} {args.kwargs} on {args.target}, {args.mode} step, {params:,} params")
-  print(f"  Pallas kernels: {ours.kernels}")
+  print(f"  Pallas kernels: {sum(compiled_kernels(compiled).values())}")
   for kernel in kernels:
     print(f"    {kernel}")
   print(f"  HBM bytes per param: {ours.hbm_bytes / params:.2f} "
@@ -628,8 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   print("  per leaf shape (a one-leaf step):")
   for shape_dtype in sorted({(x.shape, str(x.dtype)) for x in tree.values()}):
     leaf = {"x": next(x for x in tree.values() if (x.shape, str(x.dtype)) == shape_dtype)}
-    one = measure_step(tx, leaf, args.target, fused)
-    what = f"{one.kernels} kernel(s)" if one.kernels else "XLA"
+    count = sum(compiled_kernels(_compiled_step(tx, leaf, args.target, fused, compile_for)).values())
+    what = f"{count} kernel(s)" if count else "XLA"
     print(f"    {shape_dtype[0]} {shape_dtype[1]}: {what}")
   return 0
 
