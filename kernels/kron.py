@@ -98,11 +98,11 @@ _MODES = ("precond", "updates", "apply")
 # Per-grid-step working set, in f32 elements of the blocks (TPU: 2^21 takes
 # a 512 x 512 layer, at most 9.1 MiB of scoped VMEM on v4, whose 16 MiB are
 # the least of the five generations; 512 x 1024 needs 20 MiB there), and the
-# Triton caps: a program keeps its tiles in
-# registers, and ptxas spills both kernels from 128 per side on (5-10 KB per
-# thread at 4 warps, 0.4-2 KB at 8 or 16). At 64 per side 4 warps still
-# spill the dense factor update on an A100 (456 B); 8 warps spill nothing on
-# any target (the compile tier).
+# Triton caps: a program keeps its tiles in registers, and ptxas spills both
+# kernels from 128 per side on (5-10 KB per thread at 4 warps, 0.4-2 KB at 8
+# or 16). At 64 per side 8 warps spill nothing on an H100 or B200 (4 warps
+# spill the precondition at 64 x 128); on an A100 the dense factor update
+# spills about 0.5 KB at any warp count (the compile tier names it).
 _TPU_MAX_BLOCK_ELEMENTS = 1 << 21
 _TPU_VMEM_LIMIT = 48 << 20
 _TRITON_MAX_DIM = 64
@@ -485,8 +485,8 @@ def _plan_view(m: int, n: int, left: str, right: str, backend: str) -> _View:
 def _layer_compiler_params(backend: str, interpret: bool):
   """Both Kron kernels: one program per layer, its blocks whole in VMEM/SRAM."""
   return _compat.compiler_params(
-      backend, ("parallel",), num_warps=_TRITON_WARPS, num_stages=1, vmem_limit_bytes=_TPU_VMEM_LIMIT,
-      interpret=interpret,
+      backend, ("parallel",), num_warps=_TRITON_WARPS, num_stages=1,
+      vmem_limit_bytes=_TPU_VMEM_LIMIT, interpret=interpret,
   )
 
 

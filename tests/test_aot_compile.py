@@ -185,7 +185,7 @@ def test_other_families_compile_what_their_export_carries(name, fmt, tree, fused
 # spilled value. Every GPU kernel is compiled here under impl="pallas" (a
 # blockwise matrix read in place, a long vector read as rows of blocks, a
 # small vector in f32) and ptxas's report (`compile_check.compile_with_resources`)
-# must show no spill, except the one named below.
+# must show no spill, except the two named below.
 
 _SPILL_TREE = {**FAMILY_TREE, "v": sds((1 << 16,))}
 _GPU_CASES = {
