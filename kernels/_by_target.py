@@ -47,7 +47,7 @@ from jax.interpreters import ad, batching, mlir
 from pallasopt.kernels import _compat
 from pallasopt.kernels._target import BASELINE_DEVICE_KIND, Target, lowering_target
 
-__all__ = ["by_target", "callable_name", "Choose"]
+__all__ = ["by_target", "by_target_operands", "callable_name", "Choose"]
 
 Choose = Callable[[Target], "Callable[..., Any] | None"]
 
@@ -125,6 +125,11 @@ def _callable_key(fn) -> Hashable:
 
 def _is_operand(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray))
+
+
+def by_target_operands(args, kwargs) -> list[Any]:
+  """The operands of a `by_target` call on ``(*args, **kwargs)``, in order (`Target.layouts`)."""
+  return [x for x in jax.tree.leaves((args, kwargs)) if _is_operand(x)]
 
 
 _jaxprs: collections.OrderedDict = collections.OrderedDict()
@@ -241,7 +246,7 @@ def _default_lowering(ctx, *operands, jaxpr, choice):
 
 
 def _lowering(ctx, *operands, jaxpr, choice, platform):
-  target = lowering_target(ctx, platform)
+  target = lowering_target(ctx, platform, operands)
   fn = choice(target)
   if fn is None:
     return _default_lowering(ctx, *operands, jaxpr=jaxpr, choice=choice)
@@ -249,11 +254,13 @@ def _lowering(ctx, *operands, jaxpr, choice, platform):
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 
-mlir.register_lowering(by_target_p, _default_lowering)
-for _platform in _PLATFORMS:
-  mlir.register_lowering(
-      by_target_p, functools.partial(_lowering, platform=_platform), platform=_platform
-  )
+# In place, not in a shared private function: the rule reads the shardings
+# of operands that are the jitted function's arguments (`Target.layouts`).
+_compat.register_inline_lowering(
+    by_target_p,
+    {platform: functools.partial(_lowering, platform=platform) for platform in _PLATFORMS},
+    _default_lowering,
+)
 
 
 def _batching(operands, dims, *, jaxpr, choice):

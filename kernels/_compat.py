@@ -16,8 +16,10 @@ import jax
 from jax._src import api_util
 from jax._src import config as jax_config
 from jax._src import linear_util as lu
+from jax._src.interpreters import mlir as _mlir_internal
 from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jex_core
+from jax.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
@@ -41,6 +43,8 @@ __all__ = [
     "explicit_spec",
     "reshard_like",
     "gathered",
+    "register_inline_lowering",
+    "entry_argument_sharding",
 ]
 
 
@@ -154,3 +158,54 @@ def gathered(x):
   if explicit_spec(x) is None:
     return x
   return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+
+
+def register_inline_lowering(primitive, platform_rules: dict, default_rule) -> None:
+  """Registers a primitive's lowering rules so that they run in place, on the caller's values.
+
+  JAX may lower a primitive into a private function shared by equal calls;
+  its operands are then that function's arguments, and a rule cannot see
+  where they come from (`entry_argument_sharding`). The ``cacheable`` flag
+  that turns this off is marked temporary in JAX: where it is gone, the rule
+  is registered as usual and the arguments' shardings read as unknown.
+
+  One rule is registered for every platform and picks ``platform_rules``'
+  rule (else ``default_rule``) per platform of the lowering itself: JAX
+  0.10's own per-platform choice fails on an uncached primitive in a
+  multi-platform export (it adds a tuple of output types to a list).
+  """
+
+  def rule(ctx, *operands, **params):
+    ctx = ctx.replace(avals_out=list(ctx.avals_out))
+    return _mlir_internal.lower_per_platform(
+        ctx, primitive.name, platform_rules, default_rule, jex_core.no_effects, *operands,
+        **params,
+    )
+
+  try:
+    mlir.register_lowering(primitive, rule, cacheable=False)
+  except TypeError:  # pragma: no cover - a JAX without the flag.
+    mlir.register_lowering(primitive, rule)
+
+
+def entry_argument_sharding(value) -> str | None:
+  """The sharding attribute of a lowered value that is an argument of the module's ``main``.
+
+  The text of its ``sdy.sharding`` attribute (Shardy), which holds the
+  sharding the jitted computation receives that argument with, or None for
+  any other value (computed in the step, an argument of a nested function, a
+  module lowered without Shardy).
+  """
+  from jax._src.lib.mlir import ir
+
+  if not isinstance(value, ir.BlockArgument):
+    return None
+  function = value.owner.owner
+  function = getattr(function, "operation", function)
+  try:
+    if function.name != "func.func" or ir.StringAttr(function.attributes["sym_name"]).value != "main":
+      return None
+    attributes = ir.DictAttr(ir.ArrayAttr(function.attributes["arg_attrs"])[value.arg_number])
+    return str(attributes["sdy.sharding"])
+  except (KeyError, IndexError, ValueError, AttributeError, TypeError):
+    return None

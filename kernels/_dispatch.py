@@ -17,7 +17,8 @@ an ``impl`` string:
   either); a clear ValueError, raised when the call is lowered, on a platform
   or chip the kernel cannot compile for (a CPU: use ``"interpret"``).
 * ``"interpret"``: the Pallas kernel run by the Pallas interpreter, on any
-  backend (slow; for tests and debugging).
+  backend (slow; for tests and debugging), placed when lowered as
+  ``"pallas"`` places the compiled kernel.
 * ``"xla"``: the reference only.
 
 When the choice is made. Under ``"auto"`` and ``"pallas"`` nothing is decided
@@ -33,19 +34,29 @@ for a platform with no device of it in the lowering assumes the oldest chip
 of the platform the kernels support (`_target.BASELINE_DEVICE_KIND`); name
 the chip with ``jax.sharding.use_abstract_mesh`` (see the README).
 
-Sharded operands. A ``pallas_call`` is never partitioned by XLA. Under a mesh
-whose axes are not all manual, in context (``jax.set_mesh``) or, with none in
-context, in the operands' types (arrays sharded over Explicit axes), a family
-marked ``elementwise`` runs per shard inside `shard_map` (exact: every element is
-updated on its own) where the operands' types carry their layout (Explicit
-axes); with Auto axes the layout is XLA's to choose, so ``"auto"`` runs the
-reference, and so does any other family under ``"auto"`` (XLA partitions
-it). An explicit kernel ``impl`` runs the kernel on gathered operands there.
-Where no mesh is in context but XLA partitions the computation (``jax.jit``
-with shardings only, the legacy ``with mesh:``), ``"auto"`` lowers the
-reference and ``"pallas"`` is a ValueError that says to use ``jax.set_mesh``.
-Inside `shard_map` (all axes manual) kernels run on the local shards as they
-are.
+Sharded operands. A ``pallas_call`` is never partitioned by XLA, so a
+family marked ``elementwise`` (every element updated on its own) runs per
+shard inside `shard_map`, with the layout its operands arrive with, in every
+way a step is sharded:
+
+* Explicit mesh axes (``jax.set_mesh``, or arrays whose types carry an
+  Explicit sharding with no mesh in context): the operands' types say the
+  layout while tracing.
+* Auto mesh axes (``jax.set_mesh``), and shardings given to ``jax.jit`` only
+  or the legacy ``with mesh:``: XLA lays the operands out, so the layout is
+  read when the call is lowered (`_target.Target.layouts`): the sharding of
+  the operands that are the jitted function's arguments (the params and
+  state of an optimizer step), over the mesh in context or the one that
+  sharding names. ``"auto"`` runs the kernel per shard where it would on the
+  local shards, else the reference, which XLA partitions.
+
+Where the lowering shows no layout (operands computed inside the step, a
+nested jit), ``"auto"`` runs the reference; a kernel ``impl`` runs on
+gathered operands if a mesh is in context, else it is a ValueError that says
+to use ``jax.set_mesh``. Families whose math crosses elements run the
+reference under ``"auto"`` wherever XLA partitions them, and their kernel on
+gathered operands under a kernel ``impl``. Inside `shard_map` (all axes
+manual) kernels run on the local shards as they are.
 
 The global default is ``"auto"``. `use_impl` overrides it for a block of code,
 the ``PALLASOPT_IMPL`` environment variable for a process (read when a kernel
@@ -61,17 +72,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from pallasopt.kernels import _compat, quant
-from pallasopt.kernels._by_target import by_target, callable_name
-from pallasopt.kernels._target import Target
+from pallasopt.kernels._by_target import by_target, by_target_operands, callable_name
+from pallasopt.kernels._target import BASELINE_DEVICE_KIND, Target
 
 __all__ = [
     "Impl",
@@ -215,10 +227,11 @@ def kernel_backend(
       return None
     raise ValueError(
         f"impl='pallas': the {family} kernel cannot run where XLA's partitioner splits the "
-        "computation over several devices (jax.jit with shardings and no mesh in context, or "
-        "the legacy `with mesh:`): a Pallas call cannot be partitioned. Put the mesh in "
-        "context with jax.set_mesh(mesh) (the kernel then runs on each local shard) or call "
-        "the step inside jax.shard_map; impl='auto' runs the XLA reference there."
+        "computation over several devices and neither a mesh in context nor the operands "
+        "show how to split it (a Pallas call cannot be partitioned; an elementwise kernel runs "
+        "per shard where its operands are arguments of the jitted function or a mesh is set). "
+        "Put the mesh in context with jax.set_mesh(mesh), or call the step inside "
+        "jax.shard_map; impl='auto' runs the XLA reference there."
     )
   if target.platform == "tpu":
     return "tpu" if impl == "pallas" or auto_on_tpu == "pallas" else None
@@ -265,32 +278,110 @@ def _non_manual_mesh(args) -> tuple[object | None, bool]:
   return None, False
 
 
-def _under_shard_map(fn, mesh, args: Sequence[object], *, per_shard: bool):
+def _local_shape(shape: tuple[int, ...], layout: PartitionSpec, mesh) -> tuple[int, ...]:
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  split = lambda axes: math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
+  padded = (*layout, *(None,) * (len(shape) - len(layout)))
+  return tuple(d if axes is None else d // split(axes) for d, axes in zip(shape, padded))
+
+
+def _local_aval(x, spec: PartitionSpec, mesh) -> jax.ShapeDtypeStruct:
+  """The type of ``x``'s local shard when split as ``spec``."""
+  return jax.ShapeDtypeStruct(_local_shape(jnp.shape(x), spec, mesh), jnp.result_type(x))
+
+
+class _ShardPlan(NamedTuple):
+  """How an update on one leaf splits over a mesh (`_shard_plan`)."""
+
+  leaf: PartitionSpec  # arrays of the leaf's shape
+  scales: PartitionSpec | None  # a blockwise moment's scales, where shards hold whole blocks
+  local_leaf: tuple[int, ...]
+
+  def spec(self, shape: tuple[int, ...], leaf: tuple[int, ...]) -> PartitionSpec | None:
+    """The split of an array of ``shape`` beside a leaf of shape ``leaf``, or None if none is exact."""
+    if not shape or all(axes is None for axes in self.leaf):
+      return PartitionSpec()
+    if shape == leaf:
+      return self.leaf
+    if self.scales is not None and shape == quant.scales_shape(leaf):
+      return self.scales
+    return None
+
+
+def _shard_plan(leaf: tuple[int, ...], layout: PartitionSpec, mesh) -> _ShardPlan:
+  """The split of every array of an update whose leaf (of shape ``leaf``) splits as ``layout``.
+
+  Arrays of the leaf's shape split like it and scalars are replicated; a
+  blockwise moment's scales (`quant.scales_shape` of a leaf whose rows hold
+  whole blocks) split like the rows and the blocks they scale, where every
+  shard holds whole blocks. Any other array has no exact split.
+  """
+  padded = (*layout, *(None,) * (len(leaf) - len(layout)))
+  local = _local_shape(leaf, layout, mesh)
+  whole_blocks = quant.rows_hold_blocks(leaf) and local[-1] % quant.BLOCK == 0
+  scales = PartitionSpec(*padded[:-2], padded[-1], padded[-2]) if whole_blocks else None
+  return _ShardPlan(PartitionSpec(*padded), scales, local)
+
+
+def _leaf_shape(arrays: Sequence[object]) -> tuple[int, ...]:
+  """The shape of the leaf an update runs on: its largest operand's."""
+  return max((tuple(jnp.shape(x)) for x in arrays), key=math.prod, default=())
+
+
+def _in_specs(
+    leaves: Sequence[object], layout: PartitionSpec, mesh
+) -> tuple[PartitionSpec, ...] | None:
+  """Each operand's split when the update's leaf splits as ``layout``.
+
+  None if a shard would not compute what the whole leaf does (`_shard_plan`).
+  """
+  leaf = _leaf_shape(leaves)
+  plan = _shard_plan(leaf, layout, mesh)
+  specs = tuple(plan.spec(tuple(jnp.shape(x)), leaf) for x in leaves)
+  return None if any(s is None for s in specs) else specs
+
+
+def _out_spec(plan: _ShardPlan, local_shape: tuple[int, ...]) -> PartitionSpec:
+  spec = plan.spec(tuple(local_shape), plan.local_leaf)
+  if spec is None:
+    raise TypeError(
+        f"an elementwise kernel returned an array of local shape {local_shape}, neither its "
+        f"leaf's {plan.local_leaf} nor that leaf's block scales: it cannot run per shard."
+    )
+  return spec
+
+
+def _under_shard_map(fn, mesh, args: Sequence[object], layout: PartitionSpec | None):
   """Runs ``fn(*args)`` in `shard_map` over ``mesh``'s non-manual axes.
 
-  ``per_shard``: the array operands (one shape) are laid out like the first
-  one that is sharded, and so are the outputs (an elementwise kernel);
-  otherwise every operand is gathered and the outputs are replicated.
+  ``layout``: how the update's leaf is split; every operand and output is
+  split to match (`_shard_plan`; the caller has checked with `_in_specs`
+  that the operands can be), so that an elementwise kernel runs on the local
+  shards. None: every operand is gathered and the outputs are replicated.
   """
   leaves, treedef = jax.tree.flatten(args)
-  ranked = [x for x in leaves if jnp.ndim(x) > 0]
-  specs = [_compat.explicit_spec(x) for x in ranked] if per_shard else []
-  layout = next((s for s in specs if s is not None), PartitionSpec())
-  placed = [
-      jax.sharding.reshard(x, layout)
-      if jnp.ndim(x) > 0 and (_compat.explicit_spec(x) or PartitionSpec()) != layout else x
-      for x in leaves
-  ]
-  in_specs = tuple(layout if jnp.ndim(x) > 0 else PartitionSpec() for x in leaves)
+  local_fn = lambda *flat: fn(*jax.tree.unflatten(treedef, flat))
+  if layout is None:
+    in_specs, out_specs = tuple(PartitionSpec() for _ in leaves), PartitionSpec()
+  else:
+    in_specs = _in_specs(leaves, layout, mesh)
+    plan = _shard_plan(_leaf_shape(leaves), layout, mesh)
+    local_leaves = [_local_aval(x, spec, mesh) for x, spec in zip(leaves, in_specs)]
+    out_specs = jax.tree.map(
+        lambda x: _out_spec(plan, x.shape), jax.eval_shape(local_fn, *local_leaves)
+    )
+  if _layouts_known(mesh):  # the operands' types must agree with the specs
+    leaves = [
+        jax.sharding.reshard(x, spec)
+        if jnp.ndim(x) > 0 and (_compat.explicit_spec(x) or PartitionSpec()) != spec else x
+        for x, spec in zip(leaves, in_specs)
+    ]
   axes = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes)
-
-  def local(*flat):
-    return fn(*jax.tree.unflatten(treedef, flat))
-
   mapped = _compat.shard_map(
-      local, mesh=mesh, in_specs=in_specs, out_specs=layout, axis_names=axes, check_vma=False,
+      local_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axes,
+      check_vma=False,
   )
-  return mapped(*placed)
+  return mapped(*leaves)
 
 
 def _layouts_known(mesh) -> bool:
@@ -302,6 +393,80 @@ def _layouts_known(mesh) -> bool:
   )
 
 
+def _typed_layout(args) -> PartitionSpec:
+  """The layout of the update's leaf as the operands' types carry it (Explicit axes).
+
+  The first operand of the leaf's shape sharded over Explicit axes;
+  replicated if none is.
+  """
+  leaves = jax.tree.leaves(args)
+  leaf = _leaf_shape(leaves)
+  specs = (_compat.explicit_spec(x) for x in leaves if tuple(jnp.shape(x)) == leaf)
+  return next((s for s in specs if s is not None), PartitionSpec())
+
+
+def _lowered_layout(target: Target, mesh, operands: Sequence[object]) -> PartitionSpec | None:
+  """The layout of the update's leaf, as the lowering shows it (`Target.layouts`).
+
+  The first split over ``mesh``'s axes, that divides the leaf, of an operand
+  of the leaf's shape; replicated if every one shown is; None if the
+  lowering shows none.
+  """
+  leaf = _leaf_shape(operands)
+  shown = [
+      layout.spec
+      for layout, x in zip(target.layouts, operands)
+      if layout is not None and tuple(jnp.shape(x)) == leaf and leaf and layout.fits(mesh, leaf)
+  ]
+  split = (s for s in shown if any(axes is not None for axes in s))
+  return next(split, PartitionSpec() if shown else None)
+
+
+def _lowering_mesh(target: Target):
+  """The mesh of a partitioned lowering: the one in context, else the one its operands name."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    return None if mesh.are_all_axes_manual else mesh
+  axes = next((layout.mesh_axes for layout in target.layouts if layout and layout.mesh_axes), None)
+  if axes is None:
+    return None
+  names, sizes = zip(*axes)
+  kind = target.device_kind or BASELINE_DEVICE_KIND.get(target.platform)
+  device = None if kind is None else jax.sharding.AbstractDevice(
+      device_kind=kind, num_cores=None, platform=target.platform
+  )
+  auto = (jax.sharding.AxisType.Auto,) * len(names)
+  return jax.sharding.AbstractMesh(sizes, names, axis_types=auto, abstract_device=device)
+
+
+def _per_shard_lowering(target: Target, operands, call, impl: str, runs_kernel):
+  """An elementwise ``call``, lowered where XLA partitions it, on local shards; or None.
+
+  XLA, not the operands' types, lays the operands out there (Auto mesh axes,
+  or shardings given to ``jax.jit`` only), so the layout is read from the
+  lowering (`Target.layouts`): where the operands are the jitted function's
+  arguments, ``call`` runs per shard in `shard_map` with their sharding.
+  Under ``"auto"`` only where ``runs_kernel(target, local shards)`` (else
+  XLA partitions the reference, as it is); where the lowering shows no
+  layout but the mesh is in context, a kernel ``impl`` runs on gathered
+  operands. None where neither is known.
+  """
+  mesh = _lowering_mesh(target)
+  if mesh is None:
+    return None
+  layout = _lowered_layout(target, mesh, operands)
+  specs = None if layout is None else _in_specs(operands, layout, mesh)
+  if specs is None:  # no layout shown, or none that splits exactly: gathered
+    if impl == "auto":
+      return None
+    layout = None
+  elif impl == "auto":
+    local = [_local_aval(x, spec, mesh) for x, spec in zip(operands, specs)]
+    if not runs_kernel(dataclasses.replace(target, partitioned=False, layouts=()), local):
+      return None
+  return lambda *a, **k: _under_shard_map(lambda *x: call(*x, **k), mesh, a, layout)
+
+
 def _mesh_aware(call, reference, impl: str, elementwise: bool):
   """``call`` made legal under a non-manual mesh (module docstring)."""
 
@@ -309,14 +474,18 @@ def _mesh_aware(call, reference, impl: str, elementwise: bool):
     mesh, in_context = _non_manual_mesh(args)
     if mesh is None:
       return call(*args, **kwargs)
-    per_shard = elementwise and _layouts_known(mesh)
-    if impl == "auto" and not per_shard:
+    if elementwise and not _layouts_known(mesh):
+      return call(*args, **kwargs)  # per shard as lowered (`_per_shard_lowering`)
+    layout = _typed_layout(args) if elementwise else None
+    if layout is not None and _in_specs(jax.tree.leaves(args), layout, mesh) is None:
+      layout = None  # no exact split (blocks cut in two)
+    if impl == "auto" and layout is None:
       return reference(*args, **kwargs)
     bound = lambda *a: call(*a, **kwargs)
     if in_context:
-      return _under_shard_map(bound, mesh, args, per_shard=per_shard)
+      return _under_shard_map(bound, mesh, args, layout)
     with jax.sharding.use_abstract_mesh(mesh):
-      return _under_shard_map(bound, mesh, args, per_shard=per_shard)
+      return _under_shard_map(bound, mesh, args, layout)
 
   return run
 
@@ -360,10 +529,8 @@ def dispatch(
   impl = resolve_impl(impl)
   if impl == "xla":
     return reference
-  if impl == "interpret":
-    interpreted = functools.partial(kernel, backend="tpu", interpret=True)
-    return _mesh_aware(interpreted, reference, impl, elementwise)
   family = callable_name(kernel).removesuffix("_kernel")
+  interpreted = functools.partial(kernel, backend="tpu", interpret=True)
 
   def call(*args, **kwargs):
     requirement = cuda_requirement
@@ -371,14 +538,24 @@ def dispatch(
     if requirement is None and any(map(fp8, jax.tree.leaves((args, kwargs)))):
       requirement = FP8_REQUIREMENT
 
-    arrays = [x for x in jax.tree.leaves((args, kwargs)) if hasattr(x, "shape")]
-    on_tpu = auto_on_tpu(arrays) if callable(auto_on_tpu) else auto_on_tpu
+    operands = by_target_operands(args, kwargs)
 
-    def choose(target: Target):
-      backend = kernel_backend(
+    def backend_for(target: Target, arrays: Sequence[object]) -> str | None:
+      on_tpu = auto_on_tpu(arrays) if callable(auto_on_tpu) else auto_on_tpu
+      return kernel_backend(
           target, impl, family, auto_on_cuda=auto_on_cuda, auto_on_tpu=on_tpu,
           cuda_requirement=requirement,
       )
+
+    def choose(target: Target):
+      if target.partitioned and elementwise:
+        runs_kernel = lambda t, arrays: backend_for(t, arrays) is not None
+        per_shard = _per_shard_lowering(target, operands, call, impl, runs_kernel)
+        if per_shard is not None:
+          return per_shard
+      if impl == "interpret":
+        return interpreted
+      backend = backend_for(target, operands)
       return None if backend is None else functools.partial(
           kernel, backend=backend, interpret=False
       )
@@ -386,5 +563,3 @@ def dispatch(
     return by_target(reference, choose)(*args, **kwargs)
 
   return _mesh_aware(call, reference, impl, elementwise)
-
-

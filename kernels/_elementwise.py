@@ -469,16 +469,17 @@ def _check_blockwise(moments, signed: Sequence[bool]) -> None:
     quant.check_scales(m)
 
 
-def per_element(moments: Sequence[Moment], *roundings: str) -> bool:
-  """Whether an update with these moments and roundings may run per shard.
+def per_element(roundings: Sequence[str]) -> bool:
+  """Whether an update with these roundings may run per shard.
 
-  Plain moments rounded to nearest: every output element depends only on
-  the same input element. A blockwise moment's block scales, or random bits
-  drawn from an element's index in the whole leaf, are not per element.
+  Rounded to nearest, every output element depends only on the same input
+  element, or, for a blockwise moment, on its own block of `quant.BLOCK`
+  elements along a row (the dispatch runs such an update per shard only
+  where every shard holds whole blocks). Stochastic rounding is not per
+  element: its random bits are drawn from an element's index in the whole
+  leaf.
   """
-  return not any(map(quant.is_blockwise, moments)) and all(
-      r == "nearest" for r in roundings
-  )
+  return all(r == "nearest" for r in roundings)
 
 
 def cuda_auto(moments: Sequence[Moment]) -> str:
@@ -572,7 +573,7 @@ def update_dispatch(
   """
   return dispatch(
       reference, kernel, impl, auto_on_cuda=cuda_auto(moments),
-      auto_on_tpu=tpu_auto(moments, mode), elementwise=per_element(moments, *roundings),
+      auto_on_tpu=tpu_auto(moments, mode), elementwise=per_element(roundings),
   )
 
 

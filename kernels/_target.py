@@ -20,18 +20,29 @@ Where the device comes from, first to last:
 3. none: an export for a platform this host lacks, with no abstract device.
    The kernels chosen then are those every chip of the platform compiles
    (`BASELINE_DEVICE_KIND`).
+
+Where XLA partitions the computation, a target also says how each operand of
+the call arrives (`Layout`), where the lowering shows it: an operand that is
+an argument of the jitted function carries the sharding the function
+receives it with. That is how an elementwise kernel runs on local shards
+under Auto mesh axes, where the operands' types say nothing of their layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+from collections.abc import Sequence
 
 import jax
+
+from pallasopt.kernels import _compat
 
 __all__ = [
     "Target",
     "BASELINE_DEVICE_KIND",
+    "Layout",
     "lowering_target",
     "platform_name",
 ]
@@ -77,6 +88,68 @@ def _capability(device, kind: str | None) -> tuple[int, int] | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Layout:
+  """The sharding a partitioned computation receives one of its arguments with.
+
+  Attributes:
+    spec: the mesh axes each dimension is split over.
+    mesh_axes: ``(name, size)`` of every axis of the sharding's mesh, where
+      the sharding spells its mesh out; None where it names a mesh defined
+      elsewhere in the module.
+  """
+
+  spec: jax.sharding.PartitionSpec
+  mesh_axes: tuple[tuple[str, int], ...] | None = None
+
+  def fits(self, mesh, shape: tuple[int, ...]) -> bool:
+    """Whether this layout is over ``mesh``'s axes and splits ``shape`` evenly."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if self.mesh_axes is not None and dict(self.mesh_axes) != sizes:
+      return False
+    if len(self.spec) > len(shape):
+      return False
+    for dim, axes in zip(shape, self.spec):
+      axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+      if any(a not in sizes for a in axes):
+        return False
+      if dim % math.prod(sizes[a] for a in axes):
+        return False
+    return True
+
+
+# Shardy's sharding attribute: `#sdy.sharding<MESH, [DIMS]...>`, MESH either
+# `@name` or `mesh<["a"=2, "b"=4]...>`, each of DIMS `{"a", "b"}`.
+_SDY_SHARDING = re.compile(
+    r'#sdy\.sharding<(?:@[\w.$-]+|mesh<\[(?P<axes>[^\]]*)\][^>]*>), \[(?P<dims>[^\]]*)\](?P<rest>.*)>'
+)
+_SDY_AXIS = re.compile(r'"([^"]+)"=(\d+)')
+_SDY_NAME = re.compile(r'"([^"]+)"')
+
+
+def parse_sdy_sharding(text: str) -> Layout | None:
+  """The `Layout` a Shardy sharding attribute spells, or None.
+
+  None too for what a `PartitionSpec` cannot say exactly: an open dimension
+  (``?``), sub-axes (``"a":(1)2``), unreduced axes.
+  """
+  match = _SDY_SHARDING.fullmatch(text.strip())
+  if match is None or "unreduced" in match["rest"]:
+    return None
+  dims = []
+  for group in re.findall(r"\{([^}]*)\}", match["dims"]):
+    tokens = [t.strip() for t in group.split(",") if t.strip()]
+    names = [_SDY_NAME.fullmatch(t) for t in tokens]
+    if not all(names):
+      return None
+    axes = tuple(n[1] for n in names)
+    dims.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  mesh_axes = None
+  if match["axes"] is not None:
+    mesh_axes = tuple((name, int(size)) for name, size in _SDY_AXIS.findall(match["axes"]))
+  return Layout(jax.sharding.PartitionSpec(*dims), mesh_axes)
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
   """The chip one lowering of a kernel call is for.
 
@@ -90,12 +163,16 @@ class Target:
     partitioned: XLA's automatic partitioner splits this computation over
       several devices (``jax.jit`` with shardings, outside ``shard_map``): a
       Pallas call cannot be placed there.
+    layouts: where ``partitioned``, the `Layout` of each operand of the call,
+      or None for an operand the lowering does not show one for (see the
+      module docstring); empty elsewhere.
   """
 
   platform: str
   device_kind: str | None = None
   compute_capability: tuple[int, int] | None = None
   partitioned: bool = False
+  layouts: tuple[Layout | None, ...] = ()
 
   @property
   def chip(self) -> str:
@@ -163,11 +240,19 @@ def _candidate_devices(module_context):
     yield from devices[:1]
 
 
-def lowering_target(ctx, platform: str) -> Target:
-  """The `Target` of a lowering rule's context for ``platform``."""
+def lowering_target(ctx, platform: str, operands: Sequence[object] = ()) -> Target:
+  """The `Target` of a lowering rule's context for ``platform``, with ``operands`` lowered."""
   module_context = ctx.module_context
   partitioned = _partitioned(module_context.axis_context)
+  target = Target(platform, partitioned=partitioned)
   for device in _candidate_devices(module_context):
     if _same_platform(device, platform):
-      return Target.of_device(device, platform, partitioned=partitioned)
-  return Target(platform, partitioned=partitioned)
+      target = Target.of_device(device, platform, partitioned=partitioned)
+      break
+  if not partitioned:
+    return target
+  layouts = []
+  for value in operands:
+    text = _compat.entry_argument_sharding(value)
+    layouts.append(None if text is None else parse_sdy_sharding(text))
+  return dataclasses.replace(target, layouts=tuple(layouts))

@@ -231,37 +231,45 @@ def test_gpu_kernels_spill_nothing(case, fused, chip):
 
 
 # The ways a training loop shards a step (DESIGN.md §2), on a 4-device v5e with
-# a (4096, 4096) leaf sharded by rows: where the operands' layout is known while
-# tracing (Explicit axes, in context or in the operands' types) the kernel runs
-# per shard; under set_mesh with Auto axes XLA lays the operands out, so "auto"
-# runs XLA and "pallas" runs the kernel on gathered operands; where XLA
-# partitions with no mesh known, "auto" runs XLA and "pallas" says to use
-# jax.set_mesh.
-_CONTEXTS = {
-    # context: (what "auto" compiles, what "pallas" compiles)
-    "jit shardings": ("xla", "error"),
-    "with mesh": ("xla", "error"),
-    "explicit, no mesh": ("per shard", "per shard"),
-    "set_mesh explicit": ("per shard", "per shard"),
-    "set_mesh auto": ("xla", "gathered"),
+# a (4096, 4096) leaf sharded by rows: the kernel runs per shard in every one,
+# under "auto" and "pallas": with the layout the operands' types carry
+# (Explicit axes, in context or in the operands' types), or, where XLA lays
+# the operands out (Auto axes, shardings given to jit only, `with mesh:`), with
+# the sharding the jitted step receives its params and state with, read when
+# lowered.
+_CONTEXTS = ["jit shardings", "with mesh", "explicit, no mesh", "set_mesh explicit",
+             "set_mesh auto"]
+
+
+# State formats and their bound on HBM bytes per local param: Optax's step
+# moves 28 B per f32 param (params, two moments read and written, the
+# gradient read) and 14 per bf16 param with bf16 moments; the bounds are those
+# of the unsharded bytes test below.
+_CONTEXT_FORMATS = {
+    "f32": (jnp.float32, None, 28.0 * 1.02),
+    "int8": (jnp.float32, "int8", 28.0 * 0.65),
+    "bf16 params, int8": (jnp.bfloat16, "int8", 14.0 * 0.8),
 }
 
 
-def _compile_in_context(context, impl):
+def _compile_in_context(context, impl, fmt):
   import contextlib
 
   from pallasopt.compile_check import traffic
+  from pallasopt.pipeline.sharding import optimizer_state_specs
 
   auto_axes = context in ("jit shardings", "with mesh", "set_mesh auto")
   axis_type = jax.sharding.AxisType.Auto if auto_axes else jax.sharding.AxisType.Explicit
   mesh = jax.sharding.Mesh(aot_targets.devices("v5e")[:4], ("data",), axis_types=(axis_type,))
-  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
-  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32, sharding=rows)}
-  tx = pallasopt.optim.adamw(1e-3, impl=impl)
+  named = lambda spec: jax.sharding.NamedSharding(mesh, spec)
+  dtype, state_format, _ = _CONTEXT_FORMATS[fmt]
+  rows = {"w": jax.sharding.PartitionSpec("data", None)}
+  params = {"w": jax.ShapeDtypeStruct((4096, 4096), dtype, sharding=named(rows["w"]))}
+  tx = pallasopt.optim.adamw(1e-3, impl=impl, state_format=state_format)
+  abstract = jax.eval_shape(tx.init, {"w": sds((4096, 4096), dtype)})
   state = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows if x.ndim else whole),
-      jax.eval_shape(tx.init, {"w": sds((4096, 4096))}))
+      lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(spec)),
+      abstract, optimizer_state_specs(abstract, params, rows))
   shardings = jax.tree.map(lambda x: x.sharding, (params, params, state))
   step = jax.jit(_fused(tx), donate_argnums=(0, 2),
                  **({"in_shardings": shardings} if context == "jit shardings" else {}))
@@ -274,22 +282,15 @@ def _compile_in_context(context, impl):
     return traffic(step.lower(params, params, state).compile())
 
 
+@pytest.mark.parametrize("fmt", list(_CONTEXT_FORMATS))
 @pytest.mark.parametrize("impl", ["auto", "pallas"])
-@pytest.mark.parametrize("context", list(_CONTEXTS))
-def test_every_way_of_sharding_a_step_runs_per_shard_or_says_why_not(context, impl):
+@pytest.mark.parametrize("context", _CONTEXTS)
+def test_every_way_of_sharding_a_step_runs_the_kernel_per_shard(context, impl, fmt):
   aot_targets.require("v5e")
-  expected = _CONTEXTS[context][impl == "pallas"]
-  if expected == "error":
-    with pytest.raises(ValueError, match=r"partitioner splits.*jax\.set_mesh"):
-      _compile_in_context(context, impl)
-    return
-  t = _compile_in_context(context, impl)
+  t = _compile_in_context(context, impl, fmt)
   local_params = 4096 * 4096 // 4
-  assert t.kernels == (expected != "xla"), t
-  if expected == "gathered":
-    assert t.collectives, t
-    return
-  assert t.collectives == () and t.hbm_bytes / local_params <= 28.0 * 1.02, t
+  assert t.kernels == 1, t
+  assert t.collectives == () and t.hbm_bytes / local_params <= _CONTEXT_FORMATS[fmt][2], t
   assert [r for r in t.relayouts if r[1] >= 1 << 20] == [], t
 
 

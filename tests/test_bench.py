@@ -262,7 +262,10 @@ def test_loop_runner_equals_sequential_steps():
 
 
 def _cost_estimate_bytes(monkeypatch, fn, *args) -> int:
-  """Sum of ``bytes_accessed`` over every pallas_call `fn` makes when traced."""
+  """Sum of ``bytes_accessed`` over every pallas_call `fn` makes when lowered.
+
+  (A kernel is chosen, and so traced, when its call is lowered.)
+  """
   seen = []
   real = pl.pallas_call
 
@@ -271,7 +274,7 @@ def _cost_estimate_bytes(monkeypatch, fn, *args) -> int:
     return real(*a, **kw)
 
   monkeypatch.setattr(pl, "pallas_call", spy)
-  jax.eval_shape(fn, *args)
+  jax.jit(fn).lower(*args)
   return sum(seen)
 
 
