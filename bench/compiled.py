@@ -4,8 +4,9 @@ Compiles, for a compile-only TPU or GPU target (`pallasopt.compile_check`,
 the ``aot`` extra, ``JAX_PLATFORMS=cpu``), one step of Optax's optimizer and
 of pallasopt's drop-in (``--optimizer``: AdamW under ``impl="auto"`` in each
 mode and state format; Adafactor under ``"auto"`` and ``"pallas"`` in each
-mode, with bf16 params and with momentum), on a 4096 x 4096 leaf and on GPT-2
-small's tree, and prints per parameter the HBM bytes the compiled module
+mode, with bf16 params and with momentum; Muon under ``"auto"`` and ``"xla"``
+in each mode, against ``optax.contrib.muon``), on a 4096 x 4096 leaf and on
+GPT-2 small's tree, and prints per parameter the HBM bytes the compiled module
 moves and XLA's ``cost_analysis()`` bytes (`pallasopt.compile_check.Traffic`),
 each against Optax's step on the same params, with the kernels, the
 relayouts of 1 MiB or more and the temporary memory. The compile tier asserts
@@ -38,7 +39,13 @@ OPTIMIZERS = {
         ("fused bf16 params", {}, "bfloat16", True),
         ("fused f32, momentum", {"momentum": 0.9}, "float32", True),
     )),
+    "muon": (("auto", "xla"), (
+        ("update f32", {}, "float32", False),
+        ("fused f32", {}, "float32", True),
+    )),
 }
+# Optax's counterpart where it is not `optax.<name>`.
+_OPTAX_NAMES = {"muon": "contrib.muon"}
 
 
 def trees() -> dict:
@@ -70,7 +77,8 @@ def measure(target: str, tree, optimizer: str = "adamw", impls=None) -> list[dic
   run = functools.partial(compile_check.measure_step, target=target)
   all_impls, cases = OPTIMIZERS[optimizer]
   impls = all_impls if impls is None else impls
-  ours, theirs = getattr(pallasopt.optim, optimizer), getattr(optax, optimizer)
+  ours = getattr(pallasopt.optim, optimizer)
+  theirs = functools.reduce(getattr, _OPTAX_NAMES.get(optimizer, optimizer).split("."), optax)
   as_dtype = lambda dtype: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), tree)
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
@@ -78,7 +86,7 @@ def measure(target: str, tree, optimizer: str = "adamw", impls=None) -> list[dic
   optax_steps, baselines, rows = {}, [], []
   for _, kwargs, dtype, _ in cases:
     optax_kwargs = {k: v for k, v in kwargs.items() if k != "state_format"}
-    name = f"optax.{optimizer} {dtype}" + "".join(f" {k}={v}" for k, v in optax_kwargs.items())
+    name = f"optax.{_OPTAX_NAMES.get(optimizer, optimizer)} {dtype}" + "".join(f" {k}={v}" for k, v in optax_kwargs.items())
     if name not in optax_steps:
       optax_steps[name] = t = run(theirs(1e-3, **optax_kwargs), as_dtype(dtype), fused=False)
       rows.append(dict(case=name, **_row(t, t, n)))

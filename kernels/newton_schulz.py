@@ -44,8 +44,10 @@ Regimes (`newton_schulz_kernel`, ``regime="auto"``, `choose_regime`):
   the epilogues in XLA (cuBLAS). Not yet timed on a GPU.
 
 Dispatch and what was measured. ``impl="auto"`` runs the Mosaic kernel on TPU
-(not timed: chosen because the resident regime moves no HBM bytes between
-steps) and the XLA reference on CUDA GPUs and CPUs. On CUDA there is no f32
+where its regime is resident and the reference elsewhere (`_tpu_auto`: not
+timed; compiled for a v5e, the resident kernel moves what XLA does with no
+temporary memory, the tiled regime up to 2.3x XLA's bytes), and the XLA
+reference on CUDA GPUs and CPUs. On CUDA there is no f32
 kernel: the Triton kernels this module had (resident and tiled regimes for
 Triton) lost to XLA at every size measured on an H100
 (bench/results/nvidia-h100-80gb-hbm3, commit 5e874f6, f32 iterates, 5 steps,
@@ -711,6 +713,20 @@ def _wgmma(stack, coeffs, *, preconditioning, eps, dtype, interpret):
   )
 
 
+def _tpu_auto(arrays) -> str:
+  """What ``impl="auto"`` runs on a TPU: the kernel where its regime is resident.
+
+  Compiled for a TPU v5e (HBM bytes of the step, from a CPU host), the
+  resident kernel moves what XLA does (20 B per param of GPT-2 small's
+  768x768 and 1024x768 matrices, with no temporary memory against XLA's
+  0.4 MiB), the tiled regime more (28 against 20 on a 768x2304 matrix; 184
+  against 80 on GPT-2's 50257x768 embedding): XLA keeps those iterates in
+  VMEM itself.
+  """
+  rows, cols = arrays[0].shape[-2:]
+  return "pallas" if choose_regime(rows, cols, "tpu") == "resident" else "xla"
+
+
 def newton_schulz(
     x: jax.Array,
     coeffs: jax.Array,
@@ -742,6 +758,7 @@ def newton_schulz(
       functools.partial(newton_schulz_kernel, regime=regime, tile=tile),
       impl,
       auto_on_cuda="xla",
+      auto_on_tpu=_tpu_auto if regime == "auto" else "pallas",
       cuda_requirement=WGMMA_REQUIREMENT,
   )
   return fn(x, coeffs, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype)
