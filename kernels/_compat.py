@@ -174,10 +174,16 @@ def register_inline_lowering(primitive, platform_rules: dict, default_rule) -> N
   0.10's own per-platform choice fails on an uncached primitive in a
   multi-platform export (it adds a tuple of output types to a list).
   """
+  per_platform = getattr(_mlir_internal, "lower_per_platform", None)
+  if per_platform is None:  # pragma: no cover - a JAX without it: JAX's own choice.
+    mlir.register_lowering(primitive, default_rule)
+    for platform, platform_rule in platform_rules.items():
+      mlir.register_lowering(primitive, platform_rule, platform=platform)
+    return
 
   def rule(ctx, *operands, **params):
     ctx = ctx.replace(avals_out=list(ctx.avals_out))
-    return _mlir_internal.lower_per_platform(
+    return per_platform(
         ctx, primitive.name, platform_rules, default_rule, jex_core.no_effects, *operands,
         **params,
     )
