@@ -623,9 +623,16 @@ def kron_precondition(
     g, mu, p, qs: Sequence[jax.Array], scalars: KronScalars, *, mode: str,
     decay: bool = False, precision: str | None = None,
     map_batch_size: int | None = None, rms_clip: bool = True, impl: str = "auto",
+    auto_on_tpu: str = "pallas",
 ):
-  """Kernel (a) as ``impl`` asks; see `kron_precondition_reference`."""
-  fn = dispatch(kron_precondition_reference, kron_precondition_kernel, impl)
+  """Kernel (a) as ``impl`` asks; see `kron_precondition_reference`.
+
+  ``auto_on_tpu``: what ``impl="auto"`` runs on a TPU (`dispatch`): the
+  kernel, or ``"xla"`` for a caller whose step moves fewer bytes without it.
+  """
+  fn = dispatch(
+      kron_precondition_reference, kron_precondition_kernel, impl, auto_on_tpu=auto_on_tpu
+  )
   return fn(
       g, mu, p, list(qs), scalars, mode=mode, decay=decay, precision=precision,
       map_batch_size=map_batch_size, rms_clip=rms_clip,
