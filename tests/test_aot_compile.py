@@ -435,6 +435,21 @@ def test_muon_moves_no_more_bytes_than_optax_on_tpu(chip, tree):
     assert row["temp_bytes"] <= baseline["temp_bytes"], row
 
 
+@pytest.mark.parametrize("shape", [(64, 64), (256, 256), (128, 1024), (768,)], ids=str)
+@pytest.mark.parametrize("name", ["kron", "quad", "skew"])
+def test_kron_families_move_no_more_bytes_than_their_xla_path_on_tpu(name, shape):
+  # `auto` takes the preconditioner kernel on a TPU only where its step moves
+  # no more bytes (2% for the step's scalars; kernels/kron.py `_tpu_auto`,
+  # kernels/white_kron.py `precondition`).
+  from pallasopt.compile_check import measure_step
+
+  aot_targets.require("v5e")
+  tree = {"w": sds(shape)}
+  auto, xla = (measure_step(getattr(pallasopt.optim, name)(1e-3, impl=impl), tree, "v5e", False)
+               for impl in ("auto", "xla"))
+  assert auto.hbm_bytes <= 1.02 * xla.hbm_bytes, (auto, xla)
+
+
 @pytest.mark.parametrize("chip", TPU_TARGETS)
 def test_kron_takes_a_512_square_layer_on_every_tpu_generation(chip):
   # Kron's TPU cap, 2^21 f32 elements of blocks, fits the least VMEM of the
@@ -443,7 +458,7 @@ def test_kron_takes_a_512_square_layer_on_every_tpu_generation(chip):
 
   aot_targets.require(chip)
   params = {"w": sds((512, 512))}
-  tx = pallasopt.optim.kron(1e-3, preconditioner_update_probability=1.0)
+  tx = pallasopt.optim.kron(1e-3, preconditioner_update_probability=1.0, impl="pallas")
   state = jax.eval_shape(tx.init, params)
   _, kernels = compile_with_resources(_fused(tx), chip, params, params, state)
   names = {k.name.split(".")[0] for k in kernels}
