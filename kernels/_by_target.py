@@ -23,7 +23,10 @@ The primitive also:
 * differentiates through ``default`` (a kernel and its reference compute the
   same function; the tangents are the reference's);
 * caches ``default``'s jaxpr per call signature, so a tree of thousands of
-  same-shaped leaves traces it once per shape.
+  same-shaped leaves traces it once per shape;
+* is lowered in place, not in a private function shared by equal calls, so
+  that where XLA partitions the computation the rule sees which operands are
+  arguments of the jitted function, and their shardings (`Target.layouts`).
 
 The chip seen by a Pallas lowering is the target's: while a choice is
 lowered, the abstract mesh in context names the target's device (its own
