@@ -44,6 +44,7 @@ __all__ = [
     "BASELINE_DEVICE_KIND",
     "Layout",
     "lowering_target",
+    "parse_sdy_sharding",
     "platform_name",
 ]
 
