@@ -437,15 +437,16 @@ def test_muon_moves_no_more_bytes_than_optax_on_tpu(chip, tree):
 
 @pytest.mark.parametrize("shape", [(64, 64), (256, 256), (128, 1024), (768,)], ids=str)
 @pytest.mark.parametrize("name", ["kron", "quad", "skew"])
-def test_kron_families_move_no_more_bytes_than_their_xla_path_on_tpu(name, shape):
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_kron_families_move_no_more_bytes_than_their_xla_path_on_tpu(chip, name, shape):
   # `auto` takes the preconditioner kernel on a TPU only where its step moves
   # no more bytes (2% for the step's scalars; kernels/kron.py `_tpu_auto`,
   # kernels/white_kron.py `precondition`).
   from pallasopt.compile_check import measure_step
 
-  aot_targets.require("v5e")
+  aot_targets.require(chip)
   tree = {"w": sds(shape)}
-  auto, xla = (measure_step(getattr(pallasopt.optim, name)(1e-3, impl=impl), tree, "v5e", False)
+  auto, xla = (measure_step(getattr(pallasopt.optim, name)(1e-3, impl=impl), tree, chip, False)
                for impl in ("auto", "xla"))
   assert auto.hbm_bytes <= 1.02 * xla.hbm_bytes, (auto, xla)
 
