@@ -17,6 +17,7 @@ from jax._src import api_util
 from jax._src import config as jax_config
 from jax._src import linear_util as lu
 from jax._src.interpreters import mlir as _mlir_internal
+from jax._src.lib.mlir import ir
 from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
@@ -202,8 +203,6 @@ def entry_argument_sharding(value) -> str | None:
   any other value (computed in the step, an argument of a nested function, a
   module lowered without Shardy).
   """
-  from jax._src.lib.mlir import ir
-
   if not isinstance(value, ir.BlockArgument):
     return None
   function = value.owner.owner

@@ -83,7 +83,7 @@ from jax.sharding import PartitionSpec
 
 from pallasopt.kernels import _compat, quant
 from pallasopt.kernels._by_target import by_target, by_target_operands, callable_name
-from pallasopt.kernels._target import BASELINE_DEVICE_KIND, Target
+from pallasopt.kernels._target import BASELINE_DEVICE_KIND, Target, local_shape
 
 __all__ = [
     "Impl",
@@ -278,16 +278,9 @@ def _non_manual_mesh(args) -> tuple[object | None, bool]:
   return None, False
 
 
-def _local_shape(shape: tuple[int, ...], layout: PartitionSpec, mesh) -> tuple[int, ...]:
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  split = lambda axes: math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
-  padded = (*layout, *(None,) * (len(shape) - len(layout)))
-  return tuple(d if axes is None else d // split(axes) for d, axes in zip(shape, padded))
-
-
 def _local_aval(x, spec: PartitionSpec, mesh) -> jax.ShapeDtypeStruct:
   """The type of ``x``'s local shard when split as ``spec``."""
-  return jax.ShapeDtypeStruct(_local_shape(jnp.shape(x), spec, mesh), jnp.result_type(x))
+  return jax.ShapeDtypeStruct(local_shape(jnp.shape(x), spec, mesh), jnp.result_type(x))
 
 
 class _ShardPlan(NamedTuple):
@@ -317,7 +310,7 @@ def _shard_plan(leaf: tuple[int, ...], layout: PartitionSpec, mesh) -> _ShardPla
   shard holds whole blocks. Any other array has no exact split.
   """
   padded = (*layout, *(None,) * (len(leaf) - len(layout)))
-  local = _local_shape(leaf, layout, mesh)
+  local = local_shape(leaf, layout, mesh)
   whole_blocks = quant.rows_hold_blocks(leaf) and local[-1] % quant.BLOCK == 0
   scales = PartitionSpec(*padded[:-2], padded[-1], padded[-2]) if whole_blocks else None
   return _ShardPlan(PartitionSpec(*padded), scales, local)
@@ -341,11 +334,11 @@ def _in_specs(
   return None if any(s is None for s in specs) else specs
 
 
-def _out_spec(plan: _ShardPlan, local_shape: tuple[int, ...]) -> PartitionSpec:
-  spec = plan.spec(tuple(local_shape), plan.local_leaf)
+def _out_spec(plan: _ShardPlan, shape: tuple[int, ...]) -> PartitionSpec:
+  spec = plan.spec(tuple(shape), plan.local_leaf)
   if spec is None:
     raise TypeError(
-        f"an elementwise kernel returned an array of local shape {local_shape}, neither its "
+        f"an elementwise kernel returned an array of local shape {shape}, neither its "
         f"leaf's {plan.local_leaf} nor that leaf's block scales: it cannot run per shard."
     )
   return spec

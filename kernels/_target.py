@@ -43,6 +43,7 @@ __all__ = [
     "Target",
     "BASELINE_DEVICE_KIND",
     "Layout",
+    "local_shape",
     "lowering_target",
     "parse_sdy_sharding",
     "platform_name",
@@ -109,13 +110,28 @@ class Layout:
       return False
     if len(self.spec) > len(shape):
       return False
-    for dim, axes in zip(shape, self.spec):
-      axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-      if any(a not in sizes for a in axes):
-        return False
-      if dim % math.prod(sizes[a] for a in axes):
-        return False
-    return True
+    if any(a not in sizes for entry in self.spec for a in _spec_axes(entry)):
+      return False
+    return all(d % n == 0 for d, n in zip(shape, _shard_counts(self.spec, len(shape), mesh)))
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one `PartitionSpec` entry: None, an axis name or a tuple of them."""
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _shard_counts(spec: jax.sharding.PartitionSpec, ndim: int, mesh) -> tuple[int, ...]:
+  """Into how many shards ``spec`` splits each of ``ndim`` dims over ``mesh``."""
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  padded = (*spec, *(None,) * (ndim - len(spec)))
+  return tuple(math.prod(sizes[a] for a in _spec_axes(entry)) for entry in padded)
+
+
+def local_shape(shape: tuple[int, ...], spec: jax.sharding.PartitionSpec, mesh) -> tuple[int, ...]:
+  """The shape of one shard of an array of ``shape`` split evenly as ``spec`` over ``mesh``."""
+  return tuple(d // n for d, n in zip(shape, _shard_counts(spec, len(shape), mesh)))
 
 
 # Shardy's sharding attribute: `#sdy.sharding<MESH, [DIMS]...>`, MESH either
