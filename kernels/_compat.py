@@ -40,6 +40,7 @@ __all__ = [
     "trace_context",
     "use_abstract_device",
     "compiler_params",
+    "kept_in_hbm",
     "mosaic_gpu_interpret",
     "explicit_spec",
     "reshard_like",
@@ -94,6 +95,29 @@ def compiler_params(
         dimension_semantics=tuple(dimension_semantics), vmem_limit_bytes=vmem_limit_bytes
     )
   return TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def kept_in_hbm(operands: Sequence[Any], backend: str, interpret: bool) -> list[Any]:
+  """A TPU kernel's operands, constrained to stay in HBM.
+
+  Given a kernel's `pl.CostEstimate`, XLA's memory-space assignment copies
+  the operands that fit in VMEM into it ahead of the kernel (and aliased
+  results back out). For a kernel that streams a leaf through VMEM in blocks
+  itself, that is the same HBM traffic plus a VMEM copy of every operand,
+  which ``cost_analysis()`` counts too. Outputs aliased to an operand stay
+  with it; other outputs are placed by XLA. Only operands being staged into
+  a jaxpr are constrained: the constraint has no eager, batching or
+  differentiation rule (a kernel called eagerly is compiled alone, with
+  nothing to stage; under `jax.vmap` batched operands go as they are). Triton,
+  the interpreter, and a JAX without ``with_memory_space_constraint`` take
+  the operands as they are too.
+  """
+  constrain = getattr(pltpu, "with_memory_space_constraint", None)
+  if backend != "tpu" or interpret or constrain is None:
+    return list(operands)
+  return [
+      constrain(x, pltpu.HBM) if isinstance(x, pe.DynamicJaxprTracer) else x for x in operands
+  ]
 
 
 if hasattr(jax, "shard_map"):

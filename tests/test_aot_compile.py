@@ -364,12 +364,13 @@ def test_auto_moves_no_more_bytes_than_optax_on_tpu(chip, tree):
     if case.startswith("fused"):  # the update mode's updates are a buffer of their own
       optax_temp = max(rows["float32"]["temp_bytes"], rows["bfloat16"]["temp_bytes"])
       assert row["temp_bytes"] <= optax_temp, (case, row)
-  if tree == "4096x4096":
-    # XLA's own count agrees on one leaf. On a tree of many leaves it counts
-    # every array XLA stages through VMEM around a kernel twice, so only the
-    # HBM count bounds it there (bench/results/compiled/adamw-bytes-*.json).
-    for case, bound in _BYTES_BOUNDS.items():
-      assert rows[case]["xla_vs_optax"] <= bound or case == "update int8", rows[case]
+  # XLA's own count (cost_analysis) agrees: the kernels' operands stay in HBM
+  # (`_compat.kept_in_hbm`; staged through VMEM, GPT-2 small's fused f32 step
+  # counted 2.6x Optax's). In update mode with int8 state the updates leave
+  # the kernel through VMEM, which that count adds to the HBM bytes
+  # (bench/results/compiled/adamw-bytes-*.json).
+  for case, bound in _BYTES_BOUNDS.items():
+    assert rows[case]["xla_vs_optax"] <= bound or case == "update int8", rows[case]
 
 
 @pytest.mark.parametrize("chip", ["v4", "v5p", "tpu7x"])
