@@ -388,7 +388,8 @@ class Traffic:
   """What one compiled module moves.
 
   Attributes:
-    hbm_bytes: the bytes every top-level op reads and writes in HBM: its
+    hbm_bytes: the bytes every top-level op (outside the branches of
+      conditionals) reads and writes in HBM: its
       operands' and results' sizes as stored (a TPU's tiled layout pads the
       tiled dims: a (50257, 3) f32 array stored row-major occupies 50264 x
       128 elements), leaving out ops that move nothing (parameters, tuples,
@@ -400,6 +401,11 @@ class Traffic:
     collectives: the opcodes of the collectives.
     collective_bytes: the bytes the collectives produce (their results).
     kernels: Pallas kernels (Mosaic TPU, Triton, Mosaic GPU custom calls).
+    branch_hbm_bytes: the HBM bytes of the conditionals' branches, counted
+      like ``hbm_bytes`` inside them (the costliest branch of each): what a
+      step that takes them moves on top of ``hbm_bytes``, e.g. Kron's
+      preconditioner update. Relayouts, collectives and kernels count those
+      of every branch.
     xla_bytes: ``cost_analysis()["bytes accessed"]``, XLA's own count, which
       takes each kernel's declared estimate verbatim and counts an array XLA
       prefetches into VMEM twice (at the copy and at its reader).
@@ -413,6 +419,7 @@ class Traffic:
   kernels: int
   xla_bytes: float | None
   temp_bytes: int | None
+  branch_hbm_bytes: int = 0
 
   @property
   def relayout_bytes(self) -> int:
@@ -475,45 +482,74 @@ def _async_bytes(opcode: str, type_text: str) -> int:
   return moved * (_in_hbm(source) + _in_hbm(destination))
 
 
-def _entry(text: str) -> list[str]:
-  lines = text.splitlines()
-  start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
-  body = []
-  for line in lines[start + 1:]:
-    if line.startswith("}"):
-      break
-    body.append(line)
-  return body
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%(\S+)\s")
+_BRANCHES = re.compile(
+    r"(?:branch_computations=\{([^}]*)\}|true_computation=(%[\w.\-]+)|false_computation=(%[\w.\-]+))"
+)
 
 
-def _entry_traffic(text: str) -> tuple[int, list, list, int]:
-  """HBM bytes, relayouts, collectives and kernels of a compiled module's text."""
+def _computations(text: str) -> tuple[str, dict[str, list[str]]]:
+  """The entry computation's name, and every computation's instruction lines by name."""
+  bodies: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header and line.rstrip().endswith("{"):
+      current = bodies.setdefault(header.group(2), [])
+      entry = header.group(2) if header.group(1) else entry
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      current.append(line)
+  return entry, bodies
+
+
+class _Counts(NamedTuple):
+  hbm: int
+  relayouts: list
+  collectives: list
+  kernels: int
+  branch_hbm: int
+
+
+def _computation_traffic(name: str, bodies: dict[str, list[str]]) -> _Counts:
+  """HBM bytes, relayouts, collectives, kernels and branch bytes of one computation."""
   sizes: dict[str, int] = {}
-  hbm, relayouts, collectives, kernels = 0, [], [], 0
-  for line in _entry(text):
+  hbm, relayouts, collectives, kernels, branch_hbm = 0, [], [], 0, 0
+  for line in bodies[name]:
     match = _INSTRUCTION.match(line)
     if match is None:
       continue
-    name, type_text, opcode, rest = match.groups()
-    sizes[name] = result = _bytes(type_text)
+    op, type_text, opcode, rest = match.groups()
+    sizes[op] = result = _bytes(type_text)
     if opcode in _FREE or (opcode == "custom-call" and _FREE_CALLS.search(rest)):
       continue
     operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
     if opcode in ("copy-start", "slice-start"):
       hbm += _async_bytes(opcode, type_text)
-    else:
+    elif opcode != "conditional":  # its branches move what it moves
       hbm += result + sum(sizes.get(o, 0) for o in operands)
-    if opcode in _RELAYOUT or (opcode == "fusion" and re.match(r"(copy|transpose)", name)):
-      relayouts.append((name, _bytes(type_text, hbm_only=False)))
+    if opcode in _RELAYOUT or (opcode == "fusion" and re.match(r"(copy|transpose)", op)):
+      relayouts.append((op, _bytes(type_text, hbm_only=False)))
     if _COLLECTIVE.match(opcode) and not opcode.endswith("-done"):
       collectives.append((opcode.removesuffix("-start"), _bytes(type_text, hbm_only=False)))
     kernels += opcode == "custom-call" and any(p.search(rest) for p in _COMPILED_CALLS.values())
-  return hbm, relayouts, collectives, kernels
+    if opcode == "conditional":
+      called = [c.lstrip("%") for group in _BRANCHES.findall(rest) for part in group
+                for c in re.findall(r"%[\w.\-]+", part)]
+      branches = [_computation_traffic(c, bodies) for c in called if c in bodies]
+      for b in branches:
+        relayouts += b.relayouts
+        collectives += b.collectives
+        kernels += b.kernels
+      branch_hbm += max((b.hbm + b.branch_hbm for b in branches), default=0)
+  return _Counts(hbm, relayouts, collectives, kernels, branch_hbm)
 
 
 def traffic(compiled) -> Traffic:
   """Measures a ``jax.stages.Compiled`` (see `Traffic`)."""
-  hbm, relayouts, collectives, kernels = _entry_traffic(compiled.as_text())
+  entry, bodies = _computations(compiled.as_text())
+  counts = _computation_traffic(entry, bodies)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   try:
@@ -521,8 +557,9 @@ def traffic(compiled) -> Traffic:
   except (AttributeError, NotImplementedError):
     temp = None
   return Traffic(
-      hbm, tuple(relayouts), tuple(op for op, _ in collectives),
-      sum(nbytes for _, nbytes in collectives), kernels, (cost or {}).get("bytes accessed"), temp,
+      counts.hbm, tuple(counts.relayouts), tuple(op for op, _ in counts.collectives),
+      sum(nbytes for _, nbytes in counts.collectives), counts.kernels,
+      (cost or {}).get("bytes accessed"), temp, counts.branch_hbm,
   )
 
 

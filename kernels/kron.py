@@ -744,6 +744,15 @@ def kron_factor_update(
     q, x, y, precond_lr, *, precision: str | None = None,
     map_batch_size: int | None = None, impl: str = "auto",
 ):
-  """Kernel (b) as ``impl`` asks; see `kron_factor_update_reference`."""
-  fn = dispatch(kron_factor_update_reference, kron_factor_update_kernel, impl)
+  """Kernel (b) as ``impl`` asks; see `kron_factor_update_reference`.
+
+  On a TPU ``impl="auto"`` runs the reference. Compiled for v5e from a CPU
+  host (HBM bytes of the step's conditional branches,
+  `compile_check.Traffic.branch_hbm_bytes`), a Kron step that updates its
+  preconditioner moved 1.10-1.62x with this kernel what it moved with XLA's
+  factor update, on 32x32 to 512x512 layers, 64x256 and a 768 vector (the
+  same on 128x1024, 1024x128 and a 50257 vector; v6e alike).
+  """
+  fn = dispatch(kron_factor_update_reference, kron_factor_update_kernel, impl,
+                auto_on_tpu="xla")
   return fn(q, x, y, precond_lr, precision=precision, map_batch_size=map_batch_size)

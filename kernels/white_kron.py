@@ -140,20 +140,23 @@ def balance(ql, qr):
   return ql * (mean / left), qr * (mean / right)
 
 
-def precondition(g, ql, qr, *, impl: str, style: str = "QUAD"):
+def precondition(g, ql, qr, *, impl: str):
   """``Ql^T Ql G Qr^T Qr`` for a batch of blocks (diagonal factors as vectors).
 
   ``g`` is ``(B, m, n)``; a factor is ``(B, d, d)`` dense or ``(B, d)``
   diagonal. Runs `kron.kron_precondition` (kernel (a), no RMS clip). On a
-  TPU ``impl="auto"`` takes the kernel for ``quad`` and XLA for ``skew``:
-  compiled for a v5e, a quad step moves 0.66-1.00x the bytes of its XLA
-  path with the kernel, a skew step 1.00-1.11x (eight shapes from 64x64 to
-  3072x768; e.g. 24 and 40 against 36 B per param of a 768x3072 matrix).
+  TPU ``impl="auto"`` runs XLA. Compiled for TPU v5e and v6e from a CPU host,
+  a skew step moved 1.00-1.11x the bytes of its XLA path with the kernel
+  (eight shapes from 64x64 to 3072x768), and a quad step on v6e, counting
+  the balancing conditional's branches, 1.05-1.07x on seven of seventeen
+  layer shapes (64x512 to 256x1024, 896x128: XLA transposes both factors
+  for the step's other products instead of one), 0.57-1.00x on the others;
+  the blocks the kernel sees do not tell those layers apart.
   """
   scalars = kron.kron_scalars(1)
   out, _ = kron.kron_precondition(
       g, None, None, [ql, qr], scalars, mode="precond", rms_clip=False, impl=impl,
-      auto_on_tpu="xla" if style == "skew" else "pallas",
+      auto_on_tpu="xla",
   )
   return out.astype(jnp.result_type(g, ql, qr))
 
@@ -190,7 +193,7 @@ def precondition_blocks(
   noisy = g + noise * (rows & cols)
   m, n = (jnp.asarray(x, g.dtype) for x in valid)
   total = m * n
-  p = precondition(noisy, ql, qr, impl=impl, style=style)
+  p = precondition(noisy, ql, qr, impl=impl)
 
   if diag_left or diag_right:
     left_keys = right_keys = factor_keys
@@ -209,7 +212,7 @@ def precondition_blocks(
                 total / m, Ll, ql, diag_left)
   qr, Lr = side(right_keys, lambda p: jnp.swapaxes(p, 1, 2) @ p, lambda p: jnp.sum(p * p, axis=1),
                 total / n, Lr, qr, diag_right)
-  return ql, qr, Ll, Lr, precondition(g, ql, qr, impl=impl, style=style)
+  return ql, qr, Ll, Lr, precondition(g, ql, qr, impl=impl)
 
 
 def precondition_vectors(keys, q, L, g, *, lr, noise_scale: float, style: str):

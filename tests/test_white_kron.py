@@ -171,11 +171,14 @@ def test_bad_arguments_are_named():
 def test_transform_lowers_with_the_preconditioner_kernel(platform):
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   params = {"w": sds(64, 96), "b": sds(96)}
-  tx = white_kron.quad(1e-3, block_size=32, dtype=jnp.float32)
-  state = jax.eval_shape(tx.init, params)
-  text = lowered_text(lambda p, g, s: tx.apply_gradients(p, g, s), platform, params, params, state)
-  # The dense blocks (one batch): preconditioning with the old and the new factors.
-  assert text.count(CUSTOM_CALL[platform]) == 2
+  # The dense blocks (one batch): preconditioning with the old and the new
+  # factors. Under "auto" a TPU runs XLA (kernels/white_kron.py `precondition`).
+  for impl in ("pallas", "auto"):
+    tx = white_kron.quad(1e-3, block_size=32, dtype=jnp.float32, impl=impl)
+    state = jax.eval_shape(tx.init, params)
+    step = lambda p, g, s: tx.apply_gradients(p, g, s)
+    text = lowered_text(step, platform, params, params, state)
+    assert text.count(CUSTOM_CALL[platform]) == (2 if impl == "pallas" or platform == "cuda" else 0)
 
 
 def test_state_of_other_layer_counts_is_rejected_not_misread():

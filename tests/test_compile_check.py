@@ -1,0 +1,21 @@
+"""`pallasopt.compile_check.traffic` on modules compiled for this CPU host."""
+
+import jax
+import jax.numpy as jnp
+
+from pallasopt.compile_check import traffic
+
+
+def test_traffic_counts_the_costliest_branch_of_a_conditional_apart():
+  # Each branch reads x and writes one result of its size; the conditional
+  # itself moves nothing, so the step outside the branches moves only the
+  # predicate's few bytes (a bool converted to the branch index).
+  x = jax.ShapeDtypeStruct((1024, 256), jnp.float32)
+  nbytes = 1024 * 256 * 4
+
+  def step(x, p):
+    return jax.lax.cond(p, lambda x: jnp.sin(x) * 2, lambda x: jnp.cos(x) + jnp.exp(x) * x, x)
+
+  t = traffic(jax.jit(step).lower(x, jax.ShapeDtypeStruct((), jnp.bool_)).compile())
+  assert t.branch_hbm_bytes == 2 * nbytes, t
+  assert t.hbm_bytes < 16, t
