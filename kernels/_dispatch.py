@@ -490,7 +490,8 @@ def dispatch(
     *,
     auto_on_cuda: Literal["pallas", "xla"] = "pallas",
     auto_on_tpu: (
-        Literal["pallas", "xla"] | Callable[[Sequence[jax.Array]], Literal["pallas", "xla"]]
+        Literal["pallas", "xla"]
+        | Callable[[Sequence[jax.Array], Target], Literal["pallas", "xla"]]
     ) = "pallas",
     cuda_requirement: CudaRequirement | None = None,
     elementwise: bool = False,
@@ -508,8 +509,8 @@ def dispatch(
     auto_on_tpu: what ``"auto"`` runs on a TPU, ``"pallas"`` or ``"xla"``
       (for a family whose kernel moves more bytes than XLA there), or a
       function of the call's array leaves (their local shards when the call
-      runs per shard) that says which (for a family whose kernel pays only on
-      some shapes or modes).
+      runs per shard) and the `Target` that says which (for a family whose
+      kernel pays only on some shapes, modes or TPU generations).
     cuda_requirement: what the GPU kernel needs of the chip; on a chip
       without it ``"auto"`` runs the reference and ``"pallas"`` raises.
     elementwise: every output element depends only on the same element of
@@ -534,7 +535,7 @@ def dispatch(
     operands = by_target_operands(args, kwargs)
 
     def backend_for(target: Target, arrays: Sequence[object]) -> str | None:
-      on_tpu = auto_on_tpu(arrays) if callable(auto_on_tpu) else auto_on_tpu
+      on_tpu = auto_on_tpu(arrays, target) if callable(auto_on_tpu) else auto_on_tpu
       return kernel_backend(
           target, impl, family, auto_on_cuda=auto_on_cuda, auto_on_tpu=on_tpu,
           cuda_requirement=requirement,

@@ -45,6 +45,7 @@ import numpy as np
 from pallasopt.kernels import _compat, quant
 from pallasopt.kernels._compat import pl, pltpu, pltriton
 from pallasopt.kernels._dispatch import dispatch
+from pallasopt.kernels._target import Target
 from pallasopt.kernels._tiling import (
     LANES, BlockPlan, leaf_view, plan_blocks, pow2_at_least, pow2_at_most,
 )
@@ -530,7 +531,9 @@ def tiled_in_place(shape: tuple[int, ...]) -> bool:
   return shape[-1] % LANES == 0 and shape[-2] % 8 == 0
 
 
-def tpu_auto(moments: Sequence[Moment], mode: str) -> Callable[[Sequence[jax.Array]], str]:
+def tpu_auto(
+    moments: Sequence[Moment], mode: str
+) -> Callable[[Sequence[jax.Array], Target], str]:
   """What ``impl="auto"`` runs on a TPU for an update, given the call's arrays.
 
   The kernel (``"pallas"``) only where the compiled step moves no more bytes
@@ -544,11 +547,13 @@ def tpu_auto(moments: Sequence[Moment], mode: str) -> Callable[[Sequence[jax.Arr
     into one pass, while the kernel writes the updates and XLA reads them back.
 
   Elsewhere the XLA reference (``"xla"``). The returned function takes the
-  call's array leaves (the local shards when it runs per shard).
+  call's array leaves (the local shards when it runs per shard) and the
+  target, the same on the five TPU generations of the compile tier.
   """
   blockwise = any(map(quant.is_blockwise, moments))
 
-  def choose(arrays: Sequence[jax.Array]) -> str:
+  def choose(arrays: Sequence[jax.Array], target: Target) -> str:
+    del target
     leaf = max(arrays, key=lambda x: math.prod(x.shape))
     shape = tuple(leaf.shape)
     pays = (

@@ -88,6 +88,7 @@ from pallasopt.kernels import _compat, _matrix
 from pallasopt.kernels._by_target import by_target
 from pallasopt.kernels._compat import pl, pltpu
 from pallasopt.kernels._dispatch import CudaRequirement, dispatch
+from pallasopt.kernels._target import Target
 from pallasopt.kernels._elementwise import scalar_input
 from pallasopt.kernels.gram import (
     check_levels, gram_kernel, gram_levels_for, gram_reference, mirror_upper,
@@ -713,7 +714,7 @@ def _wgmma(stack, coeffs, *, preconditioning, eps, dtype, interpret):
   )
 
 
-def _tpu_auto(arrays) -> str:
+def _tpu_auto(arrays, target: Target) -> str:
   """What ``impl="auto"`` runs on a TPU: the kernel where its regime is resident.
 
   Compiled for a TPU v5e (HBM bytes of the step, from a CPU host), the
@@ -721,8 +722,9 @@ def _tpu_auto(arrays) -> str:
   768x768 and 1024x768 matrices, with no temporary memory against XLA's
   0.4 MiB), the tiled regime more (28 against 20 on a 768x2304 matrix; 184
   against 80 on GPT-2's 50257x768 embedding): XLA keeps those iterates in
-  VMEM itself.
+  VMEM itself. (The same rule on every generation.)
   """
+  del target
   rows, cols = arrays[0].shape[-2:]
   return "pallas" if choose_regime(rows, cols, "tpu") == "resident" else "xla"
 

@@ -22,6 +22,7 @@ import pytest
 import aot_targets
 import pallasopt
 from aot_targets import TPU_TARGETS, compile_for, compiled_kernels
+from pallasopt.kernels._target import Target
 from pallasopt.compile_check import optimizer_step
 from helpers import (
     CHIPS, CUSTOM_CALL, ELEMENTWISE_FAMILIES, FAMILY_TREE, STATE_FORMATS, auto_kernels,
@@ -322,7 +323,7 @@ def test_leaf_shapes_compile_the_chosen_kernel(shape, fmt, chip):
       want = 1 if fmt is None or blockwise or math.prod(shape) < 4096 else 0
     elif CHIPS[chip][1] == "tpu":
       arrays = jax.tree.leaves((sds(shape), moments))
-      want = int(_elementwise.tpu_auto(moments, "apply")(arrays) == "pallas")
+      want = int(_elementwise.tpu_auto(moments, "apply")(arrays, Target("tpu")) == "pallas")
     else:
       want = int(blockwise)
     assert kernels == want, (impl, kernels)
@@ -442,8 +443,10 @@ def test_muon_moves_no_more_bytes_than_optax_on_tpu(chip, tree):
 
 
 @pytest.mark.parametrize("shape", [(64, 64), (256, 256), (128, 1024), (768,)], ids=str)
-@pytest.mark.parametrize("name", ["kron", "quad", "skew"])
-@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("name,chip", [
+    *(("kron", chip) for chip in TPU_TARGETS),  # its rule differs on a v5p
+    *((name, chip) for name in ("quad", "skew") for chip in ("v5e", "v6e")),
+])
 def test_kron_families_move_no_more_bytes_than_their_xla_path_on_tpu(chip, name, shape):
   # `auto` takes the preconditioner kernel on a TPU only where its step moves
   # no more bytes (2% for the step's scalars; kernels/kron.py `_tpu_auto`,

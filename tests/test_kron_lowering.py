@@ -12,6 +12,7 @@ import pytest
 
 from helpers import CUSTOM_CALL, lowered_text
 from pallasopt.kernels import kron as kk
+from pallasopt.kernels._target import Target
 from pallasopt.optim.kron import kron
 
 PLATFORMS = ["tpu", "cuda"]
@@ -100,3 +101,16 @@ def test_matmul_precisions_lower(platform, precision):
   update = lambda q, x: kk.kron_factor_update(q, x, x, 0.1, precision=precision, impl="pallas")
   assert lowered_text(precond, platform, g, q).count(CUSTOM_CALL[platform]) == 1
   assert lowered_text(update, platform, q[0], g).count(CUSTOM_CALL[platform]) == 1
+
+
+@pytest.mark.parametrize("layer,kind,kernel", [
+    ((64, 64), "TPU v5 lite", True), ((64, 64), "TPU v5", False),
+    ((256, 256), "TPU v6 lite", False), ((256, 256), "TPU v5", False),
+    ((128, 1024), "TPU v4", True), ((128, 1024), "TPU v5", True),
+    ((1024, 64), "TPU v5", False), ((768,), "TPU7x", True), ((768,), "TPU v5", False),
+], ids=str)
+def test_tpu_auto_takes_kernel_a_where_it_moves_fewer_bytes_on_that_generation(layer, kind, kernel):
+  # kernels/kron.py `_tpu_auto`: fitted on v5e, holds on v4, v6e and tpu7x; a
+  # v5p takes only layers with a side of 1024 and 2^17 elements or more.
+  choice = kk._tpu_auto([_sds((2, *layer))], Target("tpu", kind))
+  assert choice == ("pallas" if kernel else "xla")

@@ -139,7 +139,7 @@ def test_tpu_auto_takes_the_kernel_where_it_pays(shape, fmt, mode, kernel):
     m = jax.eval_shape(functools.partial(quant.quantize, signed=True, fmt=fmt), x)
     v = jax.eval_shape(functools.partial(quant.quantize, signed=False, fmt=fmt), x)
   choose = _elementwise.tpu_auto((m, v), mode)
-  assert choose(jax.tree.leaves((x, x, m, v))) == ("pallas" if kernel else "xla")
+  assert choose(jax.tree.leaves((x, x, m, v)), Target("tpu")) == ("pallas" if kernel else "xla")
   fn = adamw_k.adamw_apply if mode == "apply" else adamw_k.adamw_updates
   text = lowered_text(functools.partial(fn, impl="auto"), ["tpu"], x, x, m, v, _SCALARS)
   assert _kernels(text)["tpu"] == int(kernel)
