@@ -321,17 +321,17 @@ def _leaf_shape(arrays: Sequence[object]) -> tuple[int, ...]:
   return max((tuple(jnp.shape(x)) for x in arrays), key=math.prod, default=())
 
 
-def _in_specs(
+def _exact_split(
     leaves: Sequence[object], layout: PartitionSpec, mesh
-) -> tuple[PartitionSpec, ...] | None:
-  """Each operand's split when the update's leaf splits as ``layout``.
+) -> tuple[_ShardPlan, tuple[PartitionSpec, ...]] | None:
+  """The update's `_shard_plan` and each operand's split, when its leaf splits as ``layout``.
 
-  None if a shard would not compute what the whole leaf does (`_shard_plan`).
+  None if a shard would not compute what the whole leaf does.
   """
   leaf = _leaf_shape(leaves)
   plan = _shard_plan(leaf, layout, mesh)
   specs = tuple(plan.spec(tuple(jnp.shape(x)), leaf) for x in leaves)
-  return None if any(s is None for s in specs) else specs
+  return None if any(s is None for s in specs) else (plan, specs)
 
 
 def _out_spec(plan: _ShardPlan, shape: tuple[int, ...]) -> PartitionSpec:
@@ -348,7 +348,7 @@ def _under_shard_map(fn, mesh, args: Sequence[object], layout: PartitionSpec | N
   """Runs ``fn(*args)`` in `shard_map` over ``mesh``'s non-manual axes.
 
   ``layout``: how the update's leaf is split; every operand and output is
-  split to match (`_shard_plan`; the caller has checked with `_in_specs`
+  split to match (`_shard_plan`; the caller has checked with `_exact_split`
   that the operands can be), so that an elementwise kernel runs on the local
   shards. None: every operand is gathered and the outputs are replicated.
   """
@@ -357,8 +357,7 @@ def _under_shard_map(fn, mesh, args: Sequence[object], layout: PartitionSpec | N
   if layout is None:
     in_specs, out_specs = tuple(PartitionSpec() for _ in leaves), PartitionSpec()
   else:
-    in_specs = _in_specs(leaves, layout, mesh)
-    plan = _shard_plan(_leaf_shape(leaves), layout, mesh)
+    plan, in_specs = _exact_split(leaves, layout, mesh)
     local_leaves = [_local_aval(x, spec, mesh) for x, spec in zip(leaves, in_specs)]
     out_specs = jax.tree.map(
         lambda x: _out_spec(plan, x.shape), jax.eval_shape(local_fn, *local_leaves)
@@ -448,13 +447,13 @@ def _per_shard_lowering(target: Target, operands, call, impl: str, runs_kernel):
   if mesh is None:
     return None
   layout = _lowered_layout(target, mesh, operands)
-  specs = None if layout is None else _in_specs(operands, layout, mesh)
-  if specs is None:  # no layout shown, or none that splits exactly: gathered
+  split = None if layout is None else _exact_split(operands, layout, mesh)
+  if split is None:  # no layout shown, or none that splits exactly: gathered
     if impl == "auto":
       return None
     layout = None
   elif impl == "auto":
-    local = [_local_aval(x, spec, mesh) for x, spec in zip(operands, specs)]
+    local = [_local_aval(x, spec, mesh) for x, spec in zip(operands, split[1])]
     if not runs_kernel(dataclasses.replace(target, partitioned=False, layouts=()), local):
       return None
   return lambda *a, **k: _under_shard_map(lambda *x: call(*x, **k), mesh, a, layout)
@@ -470,7 +469,7 @@ def _mesh_aware(call, reference, impl: str, elementwise: bool):
     if elementwise and not _layouts_known(mesh):
       return call(*args, **kwargs)  # per shard as lowered (`_per_shard_lowering`)
     layout = _typed_layout(args) if elementwise else None
-    if layout is not None and _in_specs(jax.tree.leaves(args), layout, mesh) is None:
+    if layout is not None and _exact_split(jax.tree.leaves(args), layout, mesh) is None:
       layout = None  # no exact split (blocks cut in two)
     if impl == "auto" and layout is None:
       return reference(*args, **kwargs)

@@ -293,7 +293,9 @@ def test_every_way_of_sharding_a_step_runs_the_kernel_per_shard(context, impl, f
   t = _compile_in_context(context, impl, fmt)
   local_params = 4096 * 4096 // 4
   assert t.kernels == 1, t
-  assert t.collectives == () and t.hbm_bytes / local_params <= _CONTEXT_FORMATS[fmt][2], t
+  bound = _CONTEXT_FORMATS[fmt][2]
+  assert t.collectives == () and t.hbm_bytes / local_params <= bound, t
+  assert t.xla_bytes / local_params <= bound, t  # cost_analysis() counts per device
   assert [r for r in t.relayouts if r[1] >= 1 << 20] == [], t
 
 
