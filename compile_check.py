@@ -661,6 +661,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"    {kernel}")
   print(f"  HBM bytes per param: {ours.hbm_bytes / params:.2f} "
         f"(optax.adamw: {baseline.hbm_bytes / params:.2f})")
+  if ours.branch_hbm_bytes:
+    print(f"  and in conditional branches (e.g. a preconditioner update), when taken: "
+          f"{ours.branch_hbm_bytes / params:.2f}")
   print(f"  temporary memory: {ours.temp_bytes} B (optax.adamw: {baseline.temp_bytes} B)")
   print(f"  relayouts of 1 MiB or more: {[r for r in ours.relayouts if r[1] >= 1 << 20]}")
   print(f"  collectives: {list(ours.collectives)}")
