@@ -71,8 +71,8 @@ import jax.numpy as jnp
 from pallasopt.kernels import _compat, _matrix
 from pallasopt.kernels._compat import pl
 from pallasopt.kernels._dispatch import dispatch
-from pallasopt.kernels._target import Target
 from pallasopt.kernels._elementwise import scalar_input
+from pallasopt.kernels._target import Target
 
 __all__ = [
     "RMS_CLIP",
