@@ -17,8 +17,8 @@ from jax._src import api_util
 from jax._src import config as jax_config
 from jax._src import linear_util as lu
 from jax._src.interpreters import mlir as _mlir_internal
-from jax._src.lib.mlir import ir
 from jax._src.interpreters import partial_eval as pe
+from jax._src.lib.mlir import ir
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
 from jax.experimental import pallas as pl

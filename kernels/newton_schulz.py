@@ -88,8 +88,8 @@ from pallasopt.kernels import _compat, _matrix
 from pallasopt.kernels._by_target import by_target
 from pallasopt.kernels._compat import pl, pltpu
 from pallasopt.kernels._dispatch import CudaRequirement, dispatch
-from pallasopt.kernels._target import Target
 from pallasopt.kernels._elementwise import scalar_input
+from pallasopt.kernels._target import Target
 from pallasopt.kernels.gram import (
     check_levels, gram_kernel, gram_levels_for, gram_reference, mirror_upper,
 )
