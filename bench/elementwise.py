@@ -130,7 +130,7 @@ class ElementwiseFamily:
     total = 0
     for p in jax.tree.leaves(tree):
       n = math.prod(p.shape)
-      if state_format in quant.BLOCKWISE and n >= quant.MIN_QUANTIZED_SIZE:
+      if state_format in quant.FORMATS and n >= quant.MIN_QUANTIZED_SIZE:
         codes = jax.ShapeDtypeStruct(p.shape, jnp.uint8)  # fp8 codes: one byte too
         scales = jax.ShapeDtypeStruct(quant.scales_shape(p.shape), jnp.float32)
         state, sizes = [codes, scales] * self.moments, [n, n // quant.BLOCK] * self.moments
@@ -193,7 +193,7 @@ class ElementwiseFamily:
         leaves=workload.leaves, inputs=inputs_for(workload.tree), impls=impls,
         bytes=self.low_bit_bytes(ours_tree, state_format),
         # kernels._elementwise.cuda_auto: Triton for 8-bit moments, else XLA.
-        auto_on_cuda="pallas" if state_format in quant.BLOCKWISE else "xla",
+        auto_on_cuda="pallas" if state_format in quant.FORMATS else "xla",
     )
 
   def case(self, workload: workloads.Workload, mu_dtype=None) -> harness.Case:

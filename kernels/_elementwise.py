@@ -411,8 +411,8 @@ def elementwise_call(
 # ---- Elementwise optimizer updates: "apply" and "updates" modes. ----
 
 UpdateMath = Callable[..., Sequence[jax.Array]]
-# One optimizer state leaf: an array (f32 or bf16) or a blockwise (8-bit or fp8) moment.
-Moment = jax.Array | quant.Int8Blockwise | quant.Fp8Blockwise
+# One optimizer state leaf: an array (f32 or bf16) or a blockwise moment (`quant.Blockwise`).
+Moment = jax.Array | quant.Blockwise
 
 
 def check_update_mode(mode: str, p: jax.Array | None, decay: bool) -> None:
@@ -436,6 +436,8 @@ ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 # moment, and of one stochastic rounding (hash and add).
 _QUANTIZED_FLOPS = 110
 _ROUNDING_FLOPS = 20
+_STORED_AS = {quant.RATIO: "a first moment as its ratio to the second moment's root",
+              quant.ROOT: "a second moment as its square root", quant.SIGNED: "a moment as itself"}
 
 
 def check_rounding(name: str, value: object) -> str:
@@ -452,7 +454,7 @@ def _moment_dtype(m: Moment) -> jnp.dtype:
 def _rounded_streams(
     p, moments, *, mode: str, state_rounding: str, param_rounding: str, key
 ) -> frozenset[int]:
-  """The random streams a step draws: 0 for bf16 params, ``1 + i`` for bf16 moment ``i``."""
+  """The positional random streams a step draws: 0 for bf16 params, ``1 + i`` for bf16 moment ``i``."""
   check_rounding("state_rounding", state_rounding)
   check_rounding("param_rounding", param_rounding)
   bf16 = jnp.dtype(jnp.bfloat16)
@@ -466,13 +468,64 @@ def _rounded_streams(
   return frozenset(streams)
 
 
-def _check_blockwise(moments, signed: Sequence[bool]) -> None:
-  if any(map(quant.is_blockwise, moments)) and len(signed) != len(moments):
+def _coded_streams(moments, key) -> frozenset[int]:
+  """The streams ``1 + i`` of the blockwise moments, whose codes round stochastically."""
+  streams = frozenset(1 + i for i, m in enumerate(moments) if quant.is_blockwise(m))
+  if streams and key is None:
     raise ValueError(
-        f"blockwise moments need one signed flag per moment; got {len(signed)} for {len(moments)}."
+        "blockwise moments round their codes stochastically: pass the leaf's random key "
+        "(see quant.leaf_key); got key=None."
     )
-  for m in filter(quant.is_blockwise, moments):
+  return streams
+
+
+def _root_partner(moments, roles: Sequence[str]) -> int | None:
+  """The index of the blockwise second moment a ratio moment is divided by, if any."""
+  if quant.ROOT not in roles:
+    return None
+  index = list(roles).index(quant.ROOT)
+  return index if quant.is_blockwise(moments[index]) else None
+
+
+def _check_blockwise(moments, roles: Sequence[str]) -> None:
+  """Each blockwise moment is stored in the role its update expects (`quant.ROLES`)."""
+  if not any(map(quant.is_blockwise, moments)):
+    return
+  if len(roles) != len(moments):
+    raise ValueError(
+        f"blockwise moments need one role per moment; got {len(roles)} for {len(moments)}."
+    )
+  for i, (m, role) in enumerate(zip(moments, roles, strict=True)):
+    if not quant.is_blockwise(m):
+      if role == quant.ROOT and any(
+          quant.is_blockwise(x) and r == quant.RATIO for x, r in zip(moments, roles)):
+        raise ValueError(f"moment {i}: a ratio moment needs its second moment blockwise too.")
+      continue
     quant.check_scales(m)
+    stored = quant.role_of(m)
+    if stored == role:
+      continue
+    if stored == quant.SIGNED:
+      raise ValueError(
+          f"moment {i} is a {type(m).__name__} where this update keeps "
+          f"{_STORED_AS[role]} ({'RootBlockwise' if role == quant.ROOT else 'RatioBlockwise'}): "
+          "a state saved by pallasopt before 2026-11-26, when second moments were stored on a "
+          "map that decodes their small entries to zero. Convert it once with "
+          "pallasopt.optim.convert_state(opt_state, params, state_format)."
+      )
+    raise ValueError(
+        f"moment {i} is a {type(m).__name__} ({_STORED_AS[stored]}); this update keeps "
+        f"{_STORED_AS[role]} there."
+    )
+
+
+def _decoded(stored: Sequence, moments, roles: Sequence[str], partner: int | None) -> list:
+  """Moment values from their stored values (blockwise ones decoded to f32)."""
+  root = stored[partner] if partner is not None else None
+  return [
+      quant.from_stored(y, roles[i], root) if quant.is_blockwise(m) else y
+      for i, (y, m) in enumerate(zip(stored, moments, strict=True))
+  ]
 
 
 def per_element(roundings: Sequence[str]) -> bool:
@@ -588,18 +641,19 @@ def update_dispatch(
 
 
 def store_moment(
-    x: jax.Array, like: Moment, *, signed: bool, bits: jax.Array | None = None
+    x: jax.Array, like: Moment, *, bits: jax.Array | None = None,
+    root: jax.Array | None = None, key: jax.Array | None = None, stream: int = 1,
 ) -> Moment:
   """An f32 result ``x`` stored in ``like``'s format: a moment's or the params' (XLA path).
 
-  A blockwise ``like`` (`quant.Int8Blockwise`, `quant.Fp8Blockwise`) gets
-  ``x``'s blockwise codes in its format (on the signed or unsigned map for
-  8-bit codes); an array ``like`` gets ``x`` in its dtype, rounded
-  stochastically with ``bits`` (`quant.random_bits`) when given and the
-  dtype is bfloat16, else to nearest.
+  A blockwise ``like`` gets ``x``'s blockwise codes in its role and format
+  (`quant.quantize_like`: ``root`` for a ratio, ``key`` and ``stream`` for
+  the codes that round stochastically); an array ``like`` gets ``x`` in its
+  dtype, rounded stochastically with ``bits`` (`quant.random_bits`) when
+  given and the dtype is bfloat16, else to nearest.
   """
   if quant.is_blockwise(like):
-    return quant.quantize(x, signed=signed, fmt=quant.format_of(like))
+    return quant.quantize_like(x, like, root=root, key=key, stream=stream)
   if bits is not None and like.dtype == jnp.bfloat16:
     x = quant.stochastic_round_bf16(x, bits)
   return x.astype(like.dtype)
@@ -614,7 +668,7 @@ def reference_update(
     *,
     mode: str,
     decay: bool,
-    signed: Sequence[bool] = (),
+    roles: Sequence[str] = (),
     state_rounding: str = "nearest",
     param_rounding: str = "nearest",
     key: jax.Array | None = None,
@@ -627,44 +681,45 @@ def reference_update(
     p: params, or None in ``"updates"`` mode without decay.
     g: gradient.
     moments: the optimizer state leaves, each kept in its own format: an
-      array in its own dtype, or a blockwise moment (`quant.Int8Blockwise`,
-      `quant.Fp8Blockwise`).
+      array in its own dtype, or a blockwise moment (`quant.Blockwise`).
     scalars: the family's NamedTuple of per-step scalars.
     mode: ``"apply"`` returns ``(p + u, *moments)``; ``"updates"`` returns
       ``(u, *moments)``, ``u`` in `updates_dtype`.
     decay: whether the leaf gets weight decay.
-    signed: per moment, whether its 8-bit map is the signed one (needed
-      when a moment is a `quant.Int8Blockwise`).
+    roles: per moment, the role a blockwise moment is stored in
+      (`quant.SIGNED`, `quant.RATIO` or `quant.ROOT`; at most one root,
+      which the ratios divide by); needed when a moment is blockwise.
     state_rounding: how bf16 moments are stored: ``"nearest"`` or
-      ``"stochastic"`` (`quant.stochastic_round_bf16`).
+      ``"stochastic"`` (`quant.stochastic_round_bf16`). Blockwise codes
+      always round stochastically (`quant.code_bits`).
     param_rounding: the same for bf16 params in ``"apply"`` mode.
     key: the leaf's int32 random key (`quant.leaf_key`), needed when
       anything is rounded stochastically.
   """
   check_update_mode(mode, p, decay)
-  _check_blockwise(moments, signed)
+  _check_blockwise(moments, roles)
   streams = _rounded_streams(
       p, moments, mode=mode, state_rounding=state_rounding, param_rounding=param_rounding,
       key=key,
   )
+  _coded_streams(moments, key)
+  partner = _root_partner(moments, roles)
   s = type(scalars)(*(jnp.asarray(x, jnp.float32) for x in scalars))
   f32 = lambda x: None if x is None else x.astype(jnp.float32)
-  values = [
-      quant.dequantize(m, signed=signed[i]) if quant.is_blockwise(m) else f32(m)
-      for i, m in enumerate(moments)
-  ]
-  u, *new = math(s, f32(p), f32(g), *values, decay=decay)
+  stored = [quant.stored_values(m) if quant.is_blockwise(m) else f32(m) for m in moments]
+  u, *new = math(s, f32(p), f32(g), *_decoded(stored, moments, roles, partner), decay=decay)
   index = quant.element_index(g.shape) if streams else None
   bits = lambda stream: quant.random_bits(key, index, stream) if stream in streams else None
   if mode == "apply":
-    first = store_moment(f32(p) + u, p, signed=True, bits=bits(0))
+    first = store_moment(f32(p) + u, p, bits=bits(0))
   else:
     first = u.astype(updates_dtype(p, g, *moments))
-  stored = [
-      store_moment(x, m, signed=signed[i] if signed else True, bits=bits(1 + i))
+  root = None if partner is None else quant.to_stored(new[partner], quant.ROOT)
+  kept = [
+      store_moment(x, m, bits=bits(1 + i), root=root, key=key, stream=1 + i)
       for i, (x, m) in enumerate(zip(new, moments, strict=True))
   ]
-  return (first, *stored)
+  return (first, *kept)
 
 
 def kernel_update(
@@ -681,7 +736,7 @@ def kernel_update(
     name: str,
     flops_per_element: int,
     transcendentals_per_element: int = 0,
-    signed: Sequence[bool] = (),
+    roles: Sequence[str] = (),
     state_rounding: str = "nearest",
     param_rounding: str = "nearest",
     key: jax.Array | None = None,
@@ -700,22 +755,26 @@ def kernel_update(
   size is not a multiple of the block (a ragged last block) runs
   `reference_update` instead, which computes the same codes and scales.
   Stochastic rounding draws its bits from the key and each element's flat
-  index, exactly as the reference does.
+  index (bf16) or stored value (blockwise codes), exactly as the reference
+  does.
   """
   check_update_mode(mode, p, decay)
-  _check_blockwise(moments, signed)
+  _check_blockwise(moments, roles)
   streams = _rounded_streams(
       p, moments, mode=mode, state_rounding=state_rounding, param_rounding=param_rounding,
       key=key,
   )
+  coded = _coded_streams(moments, key)
   quantized = [quant.is_blockwise(m) for m in moments]
   if any(quantized) and g.size % quant.BLOCK:
     return reference_update(
-        math, p, g, moments, scalars, mode=mode, decay=decay, signed=signed,
+        math, p, g, moments, scalars, mode=mode, decay=decay, roles=roles,
         state_rounding=state_rounding, param_rounding=param_rounding, key=key,
     )
+  partner = _root_partner(moments, roles)
+  codecs = [quant.codec_of(m) if q else None for m, q in zip(moments, quantized, strict=True)]
   with_p = p is not None and (mode == "apply" or decay)
-  # Operands: g, each moment (an 8-bit one as codes and scales), then p if read.
+  # Operands: g, each moment (a blockwise one as codes and scales), then p if read.
   operands, block_inputs = [g], []
   out_dtypes, block_outputs = [p.dtype if mode == "apply" else updates_dtype(p, g, *moments)], []
   aliases = {}
@@ -733,10 +792,10 @@ def kernel_update(
     if mode == "apply":
       aliases[len(operands) - 1] = 0
   num_scalars = len(scalars)
-  extra_scalars = quant.split_key(key) if streams else ()
+  extra_scalars = quant.split_key(key) if streams or coded else ()
 
   def body(values, g, *rest, index=None):
-    key_in = quant.join_key(*values[num_scalars:]) if streams else None
+    key_in = quant.join_key(*values[num_scalars:]) if streams or coded else None
 
     def rounded(x, stream):
       if stream not in streams:
@@ -744,25 +803,26 @@ def kernel_update(
       return quant.stochastic_round_bf16(x, quant.random_bits(key_in, index, stream))
 
     rest = iter(rest)
-    loaded = []
-    for i, q in enumerate(quantized):
-      if q:
-        codes, scales = next(rest), next(rest)
-        loaded.append(quant.dequantize_rows(codes, scales, signed[i], quant.format_of(moments[i])))
-      else:
-        loaded.append(next(rest))
+    stored = [
+        quant.decode_rows(next(rest), next(rest), codecs[i]) if q else next(rest)
+        for i, q in enumerate(quantized)
+    ]
     p = next(rest) if with_p else None
-    u, *new = math(type(scalars)(*values[:num_scalars]), p, g, *loaded, decay=decay)
+    u, *new = math(type(scalars)(*values[:num_scalars]), p, g,
+                   *_decoded(stored, moments, roles, partner), decay=decay)
     outputs = [rounded(p + u, 0) if mode == "apply" else u]
+    root = None if partner is None else quant.to_stored(new[partner], quant.ROOT)
     for i, (x, q) in enumerate(zip(new, quantized, strict=True)):
       if q:
-        outputs.extend(quant.quantize_rows(x, signed[i], quant.format_of(moments[i])))
+        y = quant.to_stored(x, roles[i], root)
+        outputs.extend(quant.encode_rows(y, codecs[i], quant.code_bits(key_in, y, 1 + i)))
       else:
         outputs.append(rounded(x, 1 + i))
     return outputs
 
   flops = (
-      flops_per_element + _QUANTIZED_FLOPS * sum(quantized) + _ROUNDING_FLOPS * len(streams)
+      flops_per_element + _QUANTIZED_FLOPS * sum(quantized)
+      + _ROUNDING_FLOPS * (len(streams) + len(coded))
   )
   outs = iter(elementwise_call(
       body, operands, (*scalars, *extra_scalars), out_dtypes,
@@ -772,8 +832,8 @@ def kernel_update(
       with_index=bool(streams),
   ))
   first = next(outs)
-  stored = [
+  kept = [
       type(m)(next(outs), next(outs)) if q else next(outs)
       for m, q in zip(moments, quantized, strict=True)
   ]
-  return (first, *stored)
+  return (first, *kept)

@@ -45,6 +45,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallasopt.kernels import quant
 from pallasopt.kernels._elementwise import (
     kernel_update,
     reference_update,
@@ -61,8 +62,8 @@ __all__ = [
     "FLOPS_PER_ELEMENT",
 ]
 
-# The 8-bit maps of (m, v): m is signed, v >= 0.
-_SIGNED = (True, False)
+# How blockwise (m, v) are stored: m as its ratio to v's root, v as its root.
+_ROLES = (quant.RATIO, quant.ROOT)
 # Gradient scale, both moments, bias corrections, rescale, decay, lr, add.
 FLOPS_PER_ELEMENT = 19
 
@@ -144,9 +145,8 @@ def adamw_reference(
     p: params, or None in ``"updates"`` mode without decay.
     g: gradient, same shape as ``p``.
     m: first moment (any float dtype, e.g. ``mu_dtype``, or a
-      `quant.Int8Blockwise` on the signed map).
-    v: second moment (an array, or a `quant.Int8Blockwise` on the unsigned
-      map).
+      `quant.RatioBlockwise`: stored as its ratio to ``v``'s root).
+    v: second moment (an array, or a `quant.RootBlockwise`: its root).
     scalars: `AdamWScalars` of this step.
     mode: ``"apply"`` returns ``(p + u, m, v)``; ``"updates"`` returns
       ``(u, m, v)``.
@@ -159,7 +159,7 @@ def adamw_reference(
   """
   math = functools.partial(_adamw_math, nesterov=nesterov)
   return reference_update(
-      math, p, g, (m, v), scalars, mode=mode, decay=decay, signed=_SIGNED,
+      math, p, g, (m, v), scalars, mode=mode, decay=decay, roles=_ROLES,
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 
@@ -181,7 +181,7 @@ def adamw_kernel(
   return kernel_update(
       functools.partial(_adamw_math, nesterov=nesterov), p, g, (m, v), scalars,
       mode=mode, decay=decay, backend=backend, interpret=interpret, name="adamw",
-      flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1, signed=_SIGNED,
+      flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1, roles=_ROLES,
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 
@@ -195,7 +195,8 @@ def adamw_apply(
 
   Args:
     p, g, m, v: one leaf's params, gradient and moments (f32 or bf16; the
-      moments may be `quant.Int8Blockwise`).
+      moments may be blockwise: a `quant.RatioBlockwise` and a
+      `quant.RootBlockwise`).
     scalars: `AdamWScalars` of this step (see `adamw_scalars`).
     nesterov: Nesterov momentum (NAdamW).
     decay: whether weight decay applies to this leaf.
@@ -203,7 +204,8 @@ def adamw_apply(
     state_rounding: how bf16 moments are stored, ``"nearest"`` or
       ``"stochastic"``.
     param_rounding: how bf16 params are stored.
-    key: the leaf's random key (`quant.leaf_key`) for stochastic rounding.
+    key: the leaf's random key (`quant.leaf_key`) for stochastic rounding
+      (bf16 params or moments; blockwise moments' codes always).
   """
   fn = update_dispatch(
       adamw_reference, adamw_kernel, impl, (m, v), mode="apply",

@@ -43,6 +43,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallasopt.kernels import quant
 from pallasopt.kernels._elementwise import (
     kernel_update,
     reference_update,
@@ -135,7 +136,7 @@ def lion_reference(
   # jnp.sign is one op where _sign is five: it matters when tracing many leaves.
   math = functools.partial(_lion_math, sign=jnp.sign)
   return reference_update(
-      math, p, g, (m,), scalars, mode=mode, decay=decay, signed=(True,),
+      math, p, g, (m,), scalars, mode=mode, decay=decay, roles=(quant.SIGNED,),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 
@@ -155,7 +156,8 @@ def lion_kernel(
   """
   return kernel_update(
       _lion_math, p, g, (m,), scalars, mode=mode, decay=decay, backend=backend,
-      interpret=interpret, name="lion", flops_per_element=FLOPS_PER_ELEMENT, signed=(True,),
+      interpret=interpret, name="lion", flops_per_element=FLOPS_PER_ELEMENT,
+      roles=(quant.SIGNED,),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallasopt.kernels import quant
 from pallasopt.kernels._elementwise import (
     kernel_update,
     reference_update,
@@ -42,11 +43,12 @@ __all__ = [
     "mars_kernel",
     "mars_apply",
     "mars_updates",
-    "SIGNED",
+    "ROLES",
 ]
 
-# The 8-bit maps of (mu, nu, mog).
-SIGNED = (True, False, True)
+# How blockwise (mu, nu, mog) are stored: mu as its ratio to nu's root, nu as
+# its root, the previous gradient as itself.
+ROLES = (quant.RATIO, quant.ROOT, quant.SIGNED)
 # Gradient scale, correction 4, both moments 6, corrections 2, rescale 4, lr 1, add 1.
 FLOPS_PER_ELEMENT = 19
 
@@ -126,9 +128,9 @@ def mars_reference(
   Args:
     p: params, or None in ``"updates"`` mode without decay.
     g: gradient.
-    mu, nu: the moments (arrays, or `quant.Int8Blockwise`: mu signed, nu
-      unsigned).
-    mog: the previous step's gradient (array or signed `quant.Int8Blockwise`).
+    mu, nu: the moments (arrays, or blockwise: a `quant.RatioBlockwise` and
+      a `quant.RootBlockwise`).
+    mog: the previous step's gradient (an array or a signed blockwise one).
     scalars: `MarsScalars` of this step.
     key: the leaf's random key, when something rounds stochastically.
     mode: ``"apply"`` returns ``(p + u, mu, nu, g)``; ``"updates"``
@@ -137,7 +139,7 @@ def mars_reference(
     state_rounding, param_rounding: see `_elementwise.reference_update`.
   """
   return reference_update(
-      _mars_math, p, g, (mu, nu, mog), scalars, mode=mode, decay=decay, signed=SIGNED,
+      _mars_math, p, g, (mu, nu, mog), scalars, mode=mode, decay=decay, roles=ROLES,
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 
@@ -156,7 +158,7 @@ def mars_kernel(
   return kernel_update(
       _mars_math, p, g, (mu, nu, mog), scalars, mode=mode, decay=decay, backend=backend,
       interpret=interpret, name="mars", flops_per_element=FLOPS_PER_ELEMENT,
-      transcendentals_per_element=1, signed=SIGNED, state_rounding=state_rounding,
+      transcendentals_per_element=1, roles=ROLES, state_rounding=state_rounding,
       param_rounding=param_rounding, key=key,
   )
 

@@ -5,37 +5,72 @@ One module for every family's kernel and reference. Its functions are plain
 body (Mosaic TPU, Triton, the interpreter) and in the XLA reference, and both
 produce the same codes, scales and rounded values.
 
-**8-bit blockwise state** (Dettmers et al., `8-bit Optimizers via Block-wise
-Quantization <https://arxiv.org/abs/2110.02861>`_, 2022). A moment is cut into
-blocks of `BLOCK` consecutive elements (row-major order); each block stores
-its absolute maximum ``s`` in f32 and each element the 8-bit code of the map
-value nearest to ``x / s``. The map is *dynamic tree* quantization: a value
-is a decade ``10^{-z}`` (``z = 0..6``) times a linear fraction in
-``(0.1, 1)``, with more fraction values in the larger decades, so small
-moments keep their relative precision. With ``F`` fraction bits in decade 0,
-decade ``z`` holds ``2^{F-z}`` values, the midpoints of ``2^{F-z}`` equal
-steps of ``[0.1, 1]``:
+**Blockwise state** (Dettmers et al., `8-bit Optimizers via Block-wise
+Quantization <https://arxiv.org/abs/2110.02861>`_, 2022). A stored value is
+cut into blocks of `BLOCK` consecutive elements (row-major order); each block
+stores its absolute maximum ``s`` in f32 and each element an 8-bit code of
+``x / s`` on a *map*.
 
-.. math::
+**What is stored: the roles.** A moment is stored in one of three roles:
 
-  q_z(f) = 10^{-z}\left(0.1 + 0.9\,\frac{f + 1/2}{2^{F-z}}\right),
-  \qquad f = 0, \dots, 2^{F-z} - 1.
+* `SIGNED`: the moment itself (Lion's, Muon's and Adafactor's momentum,
+  RMSProp's mean and trace, MARS's previous gradient): `Int8Blockwise` on the
+  signed dynamic map, or `Fp8Blockwise`;
+* `ROOT`: a second moment :math:`v` as its square root :math:`w = \sqrt v`,
+  on the zero-free root map (`RootBlockwise`, both formats);
+* `RATIO`: a first moment :math:`m` that an update divides by the root of a
+  second moment, stored as :math:`r = m / w` with :math:`w` that second
+  moment's root (0 where :math:`w = 0`), on the format's signed codes
+  (`RatioBlockwise`); it decodes as :math:`r\,\hat w` with :math:`\hat w` the
+  decoded root.
 
-* the *signed* map (first moments): ``F = 6``, the 127 values ``±q_z(f)``
-  each, 0 and 1: 256 values;
-* the *unsigned* map (second moments): ``F = 7``, the 254 values
-  ``q_z(f)``, 0 and 1: 256 values.
+Why (Li, Chen, Zhu, `Memory Efficient Optimizers with 4-bit States
+<https://arxiv.org/abs/2309.01507>`_, 2023, name it the zero-point problem):
+the second moment spans the square of the first moment's range, and on a map
+with a zero code (bitsandbytes', torchao's) its small entries in a block
+decode to 0 while the first moment's do not: measured single AdamW updates of
+7x to :math:`10^5` x the learning rate. The root spans the first moment's
+range, and its map has no zero: a value below the map's least one
+(:math:`2^{-15}` of the block's absmax) decodes to that least value, larger
+than the truth, which can only shrink an update. Storing the ratio makes the
+update :math:`m / w` depend on the stored ratio, whose largest values (the
+largest updates) sit at the top of the map, where it is finest; where the
+stored root is off, the decoded first moment is off by the same factor.
 
-Those are the value sets bitsandbytes uses for its 8-bit optimizers. A code
-is the value's rank in the sorted map, so decoding and encoding are
-arithmetic (the decade from a handful of compares, the fraction from an
-affine map): no lookup table, no gather, nothing Mosaic or Triton cannot
-lower. Encoding rounds to the nearest map value (ties towards zero).
+The optimizer steps round every code *stochastically* (unbiased): the update
+of an exponential average with :math:`\beta_2 = 0.999` moves it by 0.1% a
+step, less than half a code, so rounding to nearest freezes it (measured on
+scikit-learn's digits: AdamW's final loss 12% off Optax's, Muon's momentum
+4.7% off Muon's in f32; stochastic: 0.3%). The random bits hash the value
+being rounded with the leaf's key (`code_bits`): no element index, so a step
+sharded any way draws the same bits.
 
-**fp8 blockwise state** (`Fp8Blockwise`): the same blocks and absmax, each
-element stored as the float8 e4m3 value nearest to ``448 x / s`` (448 is
-e4m3's largest finite value): no map, 3 mantissa bits (relative error
-:math:`\le 2^{-4}`) and a range down to :math:`2^{-9}/448` of the absmax.
+**The maps.** Codes are arithmetic (compares, affine maps, bit fields): no
+lookup table, no gather, nothing Mosaic or Triton cannot lower.
+
+* *Dynamic tree* (signed moments and ratios of ``"int8"``): a value is a
+  decade ``10^{-z}`` (``z = 0..6``) times a linear fraction in ``(0.1, 1)``,
+  with more fraction values in the larger decades. With ``F`` fraction bits in
+  decade 0, decade ``z`` holds ``2^{F-z}`` values, the midpoints of
+  ``2^{F-z}`` equal steps of ``[0.1, 1]``:
+
+  .. math::
+
+    q_z(f) = 10^{-z}\left(0.1 + 0.9\,\frac{f + 1/2}{2^{F-z}}\right),
+    \qquad f = 0, \dots, 2^{F-z} - 1.
+
+  The signed map has ``F = 6``: the 127 values ``±q_z(f)`` each, 0 and 1 (256
+  values, bitsandbytes' signed map). A code is the value's rank in the sorted
+  map. (The unsigned map, ``F = 7``, 0 and 1, held second moments before
+  2026-11-26; it is kept only to read such states, `legacy_second_moment`.)
+* *e4m3* (signed moments and ratios of ``"fp8"``): the float8 e4m3 value of
+  ``448 x / s`` (448 is e4m3's largest finite value): 3 mantissa bits and a
+  range down to :math:`2^{-9}/448` of the absmax.
+* *Root map* (`ROOT`, both formats): an unsigned 8-bit float with 4 exponent
+  and 4 mantissa bits and no zero, code ``16 e + f`` the value
+  :math:`2^{e-15}(1 + f/16)/T` with :math:`T = 31/16`, so the top code is 1:
+  16 binades (a second moment over :math:`2^{-30}` of its block's largest),
+  each with 16 steps (a relative step of :math:`2^{-4}` at most).
 
 **Stochastic rounding** to bfloat16 adds 16 random bits below the bf16
 mantissa of the f32 value and truncates: the result is one of the two
@@ -62,29 +97,45 @@ from pallasopt.kernels import _compat
 __all__ = [
     "BLOCK",
     "MIN_QUANTIZED_SIZE",
+    "FORMATS",
+    "SIGNED",
+    "RATIO",
+    "ROOT",
+    "ROLES",
     "Int8Blockwise",
     "Fp8Blockwise",
-    "BLOCKWISE",
+    "RootBlockwise",
+    "RatioBlockwise",
+    "Blockwise",
     "E4M3_MAX",
     "is_blockwise",
     "is_float8",
-    "format_of",
+    "role_of",
+    "codec_of",
+    "codec",
     "scales_shape",
     "rows_hold_blocks",
     "from_row_major_scales",
     "check_scales",
     "decode",
     "encode",
-    "quantize_rows",
-    "dequantize_rows",
+    "to_stored",
+    "from_stored",
+    "encode_rows",
+    "decode_rows",
     "quantize",
+    "quantize_like",
     "dequantize",
+    "stored_values",
+    "legacy_second_moment",
     "map_values",
+    "root_map_values",
     "leaf_key",
     "split_key",
     "join_key",
     "element_index",
     "random_bits",
+    "code_bits",
     "stochastic_round_bf16",
 ]
 
@@ -94,13 +145,26 @@ BLOCK = 256
 # scales would cost more than the codes save and they are a rounding error of
 # a model's bytes.
 MIN_QUANTIZED_SIZE = 4096
+# The blockwise state formats (`state_format`).
+FORMATS: tuple[str, ...] = ("int8", "fp8")
+# The roles of a stored moment (module docstring).
+SIGNED, RATIO, ROOT = "signed", "ratio", "root"
+ROLES: tuple[str, ...] = (SIGNED, RATIO, ROOT)
 # Decades of the dynamic map: 10^0 .. 10^-6.
 _DECADES = 7
 _FRACTION_BITS = {True: 6, False: 7}
+# The root map: exponent and mantissa bits, and T, its largest value (the
+# largest 4 + 4 bit float, 2^0 (1 + 15/16)), which the block's absmax maps to.
+_ROOT_EXPONENT_BITS = 4
+_ROOT_MANTISSA_BITS = 4
+_ROOT_TOP = 2.0 - 2.0**-_ROOT_MANTISSA_BITS
+# Code 0 is the exponent field 127 - (2^E - 1) of an f32 with a zero mantissa.
+_ROOT_CODE_OFFSET = (127 - (2**_ROOT_EXPONENT_BITS - 1)) << _ROOT_MANTISSA_BITS
+_ROOT_DROPPED_BITS = 23 - _ROOT_MANTISSA_BITS
 
 
 class Int8Blockwise(NamedTuple):
-  """A moment stored as 8-bit codes with one f32 absmax per block.
+  """A signed moment stored as 8-bit codes with one f32 absmax per block.
 
   Attributes:
     codes: uint8, the moment's shape: the rank of each element's map value.
@@ -116,11 +180,11 @@ class Int8Blockwise(NamedTuple):
 
 
 class Fp8Blockwise(NamedTuple):
-  """A moment stored as float8 e4m3 values with one f32 absmax per block.
+  """A signed moment stored as float8 e4m3 values with one f32 absmax per block.
 
   Attributes:
-    codes: float8_e4m3fn, the moment's shape: ``448 x / absmax``, rounded to
-      nearest (even).
+    codes: float8_e4m3fn, the moment's shape: ``448 x / absmax``, rounded
+      stochastically (by the steps) or to nearest (even).
     scales: f32 absmax per block of `BLOCK` elements, as `Int8Blockwise`'s.
   """
 
@@ -128,15 +192,64 @@ class Fp8Blockwise(NamedTuple):
   scales: jax.Array
 
 
-# The blockwise state formats, by the name `quantize` takes.
-BLOCKWISE: dict[str, type] = {"int8": Int8Blockwise, "fp8": Fp8Blockwise}
+class RootBlockwise(NamedTuple):
+  """A second moment stored as its square root on the zero-free root map.
+
+  The fields' names differ from `Int8Blockwise`'s on purpose: a checkpoint
+  that stored the second moment itself (before 2026-11-26) cannot restore
+  into this state unnoticed.
+
+  Attributes:
+    root_codes: uint8, the moment's shape: the root map's code of each
+      element's root over its block's absmax.
+    root_scales: f32, the absmax of the root in each block, shaped by
+      `scales_shape`.
+  """
+
+  root_codes: jax.Array
+  root_scales: jax.Array
+
+  @property
+  def codes(self) -> jax.Array:
+    return self.root_codes
+
+  @property
+  def scales(self) -> jax.Array:
+    return self.root_scales
+
+
+class RatioBlockwise(NamedTuple):
+  """A first moment stored as its ratio to its second moment's root.
+
+  Attributes:
+    ratio_codes: the moment's shape: uint8 codes on the signed dynamic map
+      (``"int8"``) or float8 e4m3 values (``"fp8"``) of ``m / w`` over its
+      block's absmax.
+    ratio_scales: f32, the absmax of the ratio in each block, shaped by
+      `scales_shape`.
+  """
+
+  ratio_codes: jax.Array
+  ratio_scales: jax.Array
+
+  @property
+  def codes(self) -> jax.Array:
+    return self.ratio_codes
+
+  @property
+  def scales(self) -> jax.Array:
+    return self.ratio_scales
+
+
+Blockwise = Int8Blockwise | Fp8Blockwise | RootBlockwise | RatioBlockwise
+_CLASSES = (Int8Blockwise, Fp8Blockwise, RootBlockwise, RatioBlockwise)
 # The largest finite float8_e4m3fn value: a block's absmax maps to it.
 E4M3_MAX = 448.0
 
 
 def is_blockwise(x: object) -> bool:
-  """Whether ``x`` is a blockwise-quantized moment (8-bit codes or fp8)."""
-  return isinstance(x, tuple(BLOCKWISE.values()))
+  """Whether ``x`` is a blockwise-quantized moment (any role and format)."""
+  return isinstance(x, _CLASSES)
 
 
 def is_float8(dtype) -> bool:
@@ -144,9 +257,37 @@ def is_float8(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
 
 
-def format_of(q: Int8Blockwise | Fp8Blockwise) -> str:
-  """``"int8"`` or ``"fp8"``: the format of a blockwise moment."""
-  return "fp8" if isinstance(q, Fp8Blockwise) else "int8"
+def role_of(q: Blockwise) -> str:
+  """The role (`SIGNED`, `RATIO` or `ROOT`) a blockwise moment is stored in."""
+  if isinstance(q, RootBlockwise):
+    return ROOT
+  return RATIO if isinstance(q, RatioBlockwise) else SIGNED
+
+
+def codec(role: str, fmt: str) -> str:
+  """The map of a role in a format: ``"dynamic"``, ``"e4m3"`` or ``"root"``."""
+  if role not in ROLES:
+    raise ValueError(f"role must be one of {ROLES}; got {role!r}.")
+  if fmt not in FORMATS:
+    raise ValueError(f"fmt must be one of {FORMATS}; got {fmt!r}.")
+  if role == ROOT:
+    return "root"
+  return "e4m3" if fmt == "fp8" else "dynamic"
+
+
+def codec_of(q: Blockwise) -> str:
+  """The map a blockwise moment's codes are on (see `codec`)."""
+  if isinstance(q, RootBlockwise):
+    return "root"
+  return "e4m3" if is_float8(q.codes.dtype) else "dynamic"
+
+
+def _class(role: str, fmt: str) -> type:
+  if role == ROOT:
+    return RootBlockwise
+  if role == RATIO:
+    return RatioBlockwise
+  return Fp8Blockwise if fmt == "fp8" else Int8Blockwise
 
 
 def rows_hold_blocks(shape: tuple[int, ...]) -> bool:
@@ -184,6 +325,11 @@ def _i32(value: int) -> np.int32:
   return np.uint32(value).view(np.int32)
 
 
+def _uniform(bits):
+  """A uniform f32 in [0, 1) from the high 24 of 32 random bits (int32)."""
+  return jax.lax.shift_right_logical(bits, np.int32(8)).astype(jnp.float32) * np.float32(2.0**-24)
+
+
 def _magnitude_value(j, fraction_bits: int):
   """The map magnitude of index ``j`` (f32, integral): 0, ``q_z(f)`` or 1.
 
@@ -207,7 +353,11 @@ def _magnitude_value(j, fraction_bits: int):
 
 
 def decode(codes, signed: bool):
-  """Map values of ``codes`` (f32 holding 0..255), as f32 in [-1, 1]."""
+  """Map values of ``codes`` (f32 holding 0..255), as f32 in [-1, 1].
+
+  ``signed``: the signed dynamic map; else the unsigned one, which held
+  second moments before 2026-11-26.
+  """
   if signed:
     offset = codes - 127.0
     return jnp.where(offset < 0, -1.0, 1.0) * _magnitude_value(
@@ -216,10 +366,14 @@ def decode(codes, signed: bool):
   return _magnitude_value(codes + 1.0, _FRACTION_BITS[False])
 
 
-def encode(x, signed: bool):
-  """Codes (f32 holding 0..255) of the map values nearest to ``x``.
+def encode(x, signed: bool, bits=None):
+  """Codes (f32 holding 0..255) of the map values next to ``x``.
 
   ``x`` is f32, normalised to [-1, 1] ([0, 1] unsigned; negatives clip to 0).
+  Without ``bits`` each value takes the nearest map value (ties towards
+  zero); with ``bits`` (int32 random bits per element) one of the two map
+  values around it, the farther with probability proportional to the
+  distance, so the expected map value is ``x``.
   NaN encodes as 0's code: a NaN moment is carried by its block's scale.
   """
   f_bits = _FRACTION_BITS[signed]
@@ -230,7 +384,8 @@ def encode(x, signed: bool):
   # The floor index: the largest j whose value is <= a, from the decade of a
   # (a >= its first value) and the affine position inside it. Float rounding
   # may put it one off next to a map value; the nearest of (j, j + 1) is
-  # still right then.
+  # still right then, and a stochastic choice takes the nearer one with
+  # probability ~1.
   scale_inv = jnp.zeros_like(a)
   width = jnp.zeros_like(a)
   in_map = jnp.zeros(a.shape, jnp.bool_)
@@ -243,8 +398,12 @@ def encode(x, signed: bool):
   position = jnp.floor((a * scale_inv + np.float32(0.8)) * width * np.float32(1 / 0.9) - 0.5)
   low = jnp.where(in_map, jnp.clip(position, width, 2.0 * width - 1.0), zero_index)
   high = low + 1.0
-  nearer_low = a - _magnitude_value(low, f_bits) <= _magnitude_value(high, f_bits) - a
-  j = jnp.where(a >= 1.0, top, jnp.where(nearer_low, low, high))
+  below, above = a - _magnitude_value(low, f_bits), _magnitude_value(high, f_bits) - a
+  if bits is None:
+    take_low = below <= above
+  else:
+    take_low = below <= _uniform(bits) * (below + above)
+  j = jnp.where(a >= 1.0, top, jnp.where(take_low, low, high))
   if signed:
     # The map's 1 is positive only: a negative -1 takes the largest
     # negative value, as in bitsandbytes.
@@ -253,26 +412,95 @@ def encode(x, signed: bool):
   return j - 1.0
 
 
-def quantize_rows(x, signed: bool, fmt: str = "int8"):
-  """Blockwise codes of the rows of ``x`` (f32 ``(rows, BLOCK)``): ``(codes, absmax)``.
+def _e4m3_grid(y, bits):
+  """``y`` (f32, |y| <= 448) on the e4m3 grid, rounded stochastically with ``bits``.
 
-  ``absmax`` is f32 ``(rows, 1)``. ``codes`` is f32: for ``"int8"`` holding
-  0..255, for ``"fp8"`` the scaled values, which storing as float8_e4m3fn
-  rounds. A zero block gets scale 0 and 0's code.
+  Normal e4m3 values keep 3 of f32's 23 mantissa bits: random bits fill the
+  20 dropped ones before truncating. Below 2^-6 the grid is 2^-9 apart.
   """
-  absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+  a = jnp.abs(y)
+  as_int = jax.lax.bitcast_convert_type(a, jnp.int32)
+  normal = jax.lax.bitcast_convert_type(
+      (as_int + (bits & 0xFFFFF)) & _i32(0xFFF00000), jnp.float32
+  )
+  subnormal = jnp.floor(a * np.float32(2.0**9) + _uniform(bits)) * np.float32(2.0**-9)
+  rounded = jnp.where(a < np.float32(2.0**-6), subnormal, normal)
+  return jnp.where(y < 0, -rounded, rounded)
+
+
+def _encode_root(x, bits):
+  """Root-map codes (f32 holding 0..255) of ``x`` in [0, 1]; stochastic with ``bits``.
+
+  The f32 bit pattern of ``T x`` with its mantissa cut to 4 bits is, past an
+  offset, the code: adding half of the dropped bits' weight rounds to
+  nearest, adding random bits rounds stochastically, both carrying into
+  the exponent as float rounding does. Values below the least code take it.
+  """
+  as_int = jax.lax.bitcast_convert_type(x * np.float32(_ROOT_TOP), jnp.int32)
+  dropped = (1 << _ROOT_DROPPED_BITS) - 1
+  nudge = (dropped + 1) // 2 if bits is None else bits & dropped
+  code = jax.lax.shift_right_logical(as_int + nudge, np.int32(_ROOT_DROPPED_BITS))
+  return jnp.clip(code - _ROOT_CODE_OFFSET, 0, 255).astype(jnp.float32)
+
+
+def _decode_root(codes):
+  """The root map's values (f32 in (0, 1]) of ``codes`` (f32 holding 0..255)."""
+  pattern = (codes.astype(jnp.int32) + _ROOT_CODE_OFFSET) << _ROOT_DROPPED_BITS
+  # A product by 1/T, not a division by T: XLA turns the division by a
+  # constant into that product on some backends, not on others.
+  return jax.lax.bitcast_convert_type(pattern, jnp.float32) * np.float32(1 / _ROOT_TOP)
+
+
+def to_stored(x, role: str, root=None):
+  """The f32 values a moment ``x`` is stored as in ``role``.
+
+  `ROOT`: ``sqrt(x)``; `RATIO`: ``x / root`` (0 where ``root`` is 0), with
+  ``root`` the f32 root of the second moment it is divided by; `SIGNED`: ``x``.
+  """
+  if role == ROOT:
+    return jnp.sqrt(x)
+  if role == RATIO:
+    positive = root > 0
+    return jnp.where(positive, x / jnp.where(positive, root, 1.0), 0.0)
+  return x
+
+
+def from_stored(y, role: str, root=None):
+  """The moment stored values ``y`` hold in ``role`` (the inverse of `to_stored`)."""
+  if role == ROOT:
+    return y * y
+  if role == RATIO:
+    return y * root
+  return y
+
+
+def encode_rows(y, codec_name: str, bits=None):
+  """Blockwise codes of the rows of ``y`` (f32 ``(rows, BLOCK)``): ``(codes, absmax)``.
+
+  ``absmax`` is f32 ``(rows, 1)``. ``codes`` is f32: holding 0..255 for the
+  ``"dynamic"`` and ``"root"`` maps, for ``"e4m3"`` the scaled values, which
+  storing as float8_e4m3fn rounds (or keeps, when ``bits`` rounded them).
+  ``bits``: int32 random bits per element for stochastic rounding (`code_bits`),
+  or None for nearest. A zero block gets scale 0 (and decodes to 0).
+  """
+  absmax = jnp.max(jnp.abs(y), axis=-1, keepdims=True)
   positive = absmax > 0
-  normalised = jnp.where(positive, x / jnp.where(positive, absmax, 1.0), 0.0)
-  if fmt == "fp8":
-    return normalised * E4M3_MAX, absmax
-  return encode(normalised, signed), absmax
+  normalised = jnp.where(positive, y / jnp.where(positive, absmax, 1.0), 0.0)
+  if codec_name == "e4m3":
+    scaled = normalised * E4M3_MAX
+    return (scaled if bits is None else _e4m3_grid(scaled, bits)), absmax
+  if codec_name == "root":
+    return _encode_root(normalised, bits), absmax
+  return encode(normalised, True, bits), absmax
 
 
-def dequantize_rows(codes, absmax, signed: bool, fmt: str = "int8"):
+def decode_rows(codes, absmax, codec_name: str):
   """The f32 values of blockwise ``codes`` (loaded as f32) with their ``absmax``."""
-  if fmt == "fp8":
+  if codec_name == "e4m3":
     return codes * (absmax / E4M3_MAX)
-  return decode(codes, signed) * absmax
+  if codec_name == "root":
+    return _decode_root(codes) * absmax
+  return decode(codes, True) * absmax
 
 
 def _reshape(x, shape, sharding):
@@ -322,34 +550,85 @@ def _from_block_rows(rows, like):
   return _reshape(rows, like.shape, _sharding(like))
 
 
-_CODE_DTYPES = {"int8": jnp.uint8, "fp8": jnp.float8_e4m3fn}
+_CODE_DTYPES = {"dynamic": jnp.uint8, "root": jnp.uint8, "e4m3": jnp.float8_e4m3fn}
 
 
 def quantize(
-    x: jax.Array, *, signed: bool, fmt: str = "int8"
-) -> Int8Blockwise | Fp8Blockwise:
-  """The blockwise moment (``fmt``: ``"int8"`` or ``"fp8"``) of an array of any shape.
+    x: jax.Array, *, role: str = SIGNED, fmt: str = "int8", root: jax.Array | None = None,
+    key: jax.Array | None = None, stream: int = 1,
+) -> Blockwise:
+  """The blockwise moment of an array of any shape (its last block may be ragged).
 
-  Its last block may be ragged.
+  Args:
+    x: the moment's f32 values.
+    role: `SIGNED`, `RATIO` or `ROOT` (module docstring).
+    fmt: ``"int8"`` or ``"fp8"``.
+    root: for `RATIO`, the f32 root of the second moment ``x`` is divided by.
+    key: the leaf's random key (`leaf_key`): the codes round stochastically
+      with `code_bits` of ``stream``. Without it they round to nearest (a
+      one-off conversion does; the optimizer steps pass the key).
+    stream: the moment's random stream.
   """
-  codes, absmax = quantize_rows(_block_rows(x.astype(jnp.float32)), signed, fmt)
-  return BLOCKWISE[fmt](
-      _from_block_rows(codes.astype(_CODE_DTYPES[fmt]), x), absmax.reshape(absmax.shape[:-1])
+  name = codec(role, fmt)
+  if role == RATIO and root is None:
+    raise ValueError("a first moment stored as a ratio needs root=, its second moment's root.")
+  rows = _block_rows(to_stored(x.astype(jnp.float32), role, root))
+  bits = None if key is None else code_bits(key, rows, stream)
+  codes, absmax = encode_rows(rows, name, bits)
+  return _class(role, fmt)(
+      _from_block_rows(codes.astype(_CODE_DTYPES[name]), x), absmax.reshape(absmax.shape[:-1])
   )
 
 
-def dequantize(q: Int8Blockwise | Fp8Blockwise, *, signed: bool) -> jax.Array:
-  """The f32 moment a blockwise moment stores."""
+def quantize_like(
+    x: jax.Array, like: Blockwise, *, root: jax.Array | None = None,
+    key: jax.Array | None = None, stream: int = 1,
+) -> Blockwise:
+  """`quantize` of ``x`` in the role and format of the blockwise moment ``like``."""
+  fmt = "fp8" if codec_of(like) == "e4m3" else "int8"
+  return quantize(x, role=role_of(like), fmt=fmt, root=root, key=key, stream=stream)
+
+
+def stored_values(q: Blockwise) -> jax.Array:
+  """The f32 values a blockwise moment's codes decode to: in its role (`to_stored`).
+
+  A `RootBlockwise`'s are the roots of its second moment; a
+  `RatioBlockwise`'s the ratios.
+  """
   check_scales(q)
   rows = _block_rows(q.codes.astype(jnp.float32))
-  values = dequantize_rows(rows, q.scales[..., None], signed, format_of(q))
-  return _from_block_rows(values, q.codes)
+  return _from_block_rows(decode_rows(rows, q.scales[..., None], codec_of(q)), q.codes)
+
+
+def dequantize(q: Blockwise, *, root: jax.Array | None = None) -> jax.Array:
+  """The f32 moment a blockwise moment holds.
+
+  A `RatioBlockwise` needs ``root``, the `stored_values` of its second
+  moment's `RootBlockwise`.
+  """
+  role = role_of(q)
+  if role == RATIO and root is None:
+    raise ValueError("a first moment stored as a ratio needs root=, its second moment's root.")
+  return from_stored(stored_values(q), role, root)
+
+
+def legacy_second_moment(q: Int8Blockwise | Fp8Blockwise) -> jax.Array:
+  """The f32 second moment a blockwise state saved before 2026-11-26 held.
+
+  Until then a second moment was stored as itself: on the unsigned dynamic
+  map (``"int8"``) or as e4m3 values (``"fp8"``).
+  """
+  if codec_of(q) == "e4m3":
+    return stored_values(q)
+  check_scales(q)
+  rows = _block_rows(q.codes.astype(jnp.float32))
+  return _from_block_rows(decode(rows, False) * q.scales[..., None], q.codes)
 
 
 _LEGACY_LAYOUT = "2026-11-25"
 
 
-def check_scales(q: Int8Blockwise | Fp8Blockwise) -> None:
+def check_scales(q: Blockwise) -> None:
   """Raises a ValueError unless ``q``'s scales have the shape `scales_shape` gives its codes."""
   shape, got = tuple(q.codes.shape), tuple(q.scales.shape)
   if got == scales_shape(shape):
@@ -364,7 +643,7 @@ def check_scales(q: Int8Blockwise | Fp8Blockwise) -> None:
   )
 
 
-def from_row_major_scales(q: Int8Blockwise | Fp8Blockwise) -> Int8Blockwise | Fp8Blockwise:
+def from_row_major_scales(q: Blockwise) -> Blockwise:
   """A blockwise moment saved before 2026-11-25, in the current layout.
 
   Until then a matrix whose rows hold whole blocks kept its scales as
@@ -382,8 +661,13 @@ def from_row_major_scales(q: Int8Blockwise | Fp8Blockwise) -> Int8Blockwise | Fp
 
 
 def map_values(signed: bool) -> np.ndarray:
-  """The 256 map values in code order (ascending), as float32."""
+  """The 256 dynamic map values in code order (ascending), as float32."""
   return np.asarray(jax.jit(decode, static_argnums=1)(jnp.arange(256, dtype=jnp.float32), signed))
+
+
+def root_map_values() -> np.ndarray:
+  """The 256 root map values in code order (ascending), as float32."""
+  return np.asarray(jax.jit(_decode_root)(jnp.arange(256, dtype=jnp.float32)))
 
 
 # ---- Counter-based random bits and stochastic rounding. ----
@@ -441,6 +725,18 @@ def random_bits(key, index, stream: int = 0):
   """32 random bits (int32) per element from a key and flat element indices."""
   h = _fmix32(index.astype(jnp.int32) ^ (key + _times_golden(stream)))
   return _fmix32(h + key)
+
+
+def code_bits(key, values, stream: int):
+  """32 random bits (int32) per element for rounding blockwise codes of f32 ``values``.
+
+  The hash of each value's bit pattern (not of its position, as
+  `random_bits` for bf16 rounding): a shard of a leaf draws the bits the
+  whole leaf would, however the step is sharded. Over steps the key
+  changes, so each element's rounding is unbiased over time; equal values in
+  one step round alike.
+  """
+  return random_bits(key, jax.lax.bitcast_convert_type(values, jnp.int32), stream)
 
 
 def stochastic_round_bf16(x, bits):

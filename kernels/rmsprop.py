@@ -40,6 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallasopt.kernels import quant
 from pallasopt.kernels._elementwise import (
     kernel_update,
     reference_update,
@@ -53,7 +54,7 @@ __all__ = [
     "rmsprop_kernel",
     "rmsprop_apply",
     "rmsprop_updates",
-    "moment_signs",
+    "moment_roles",
 ]
 
 # Gradient scale, nu, mu, correction, centering, root and scale, lr, trace.
@@ -99,9 +100,12 @@ def rmsprop_scalars(
   )
 
 
-def moment_signs(*, centered: bool, momentum: bool) -> tuple[bool, ...]:
-  """Whether each kernel moment ``(mu, nu, trace)`` present has both signs (8-bit maps)."""
-  return (True,) * centered + (False,) + (True,) * momentum
+def moment_roles(*, centered: bool, momentum: bool) -> tuple[str, ...]:
+  """How each kernel moment ``(mu, nu, trace)`` present is stored when blockwise.
+
+  ``nu`` as its root (`quant.ROOT`), the mean and the trace as themselves.
+  """
+  return (quant.SIGNED,) * centered + (quant.ROOT,) + (quant.SIGNED,) * momentum
 
 
 def _rmsprop_math(
@@ -153,7 +157,7 @@ def rmsprop_reference(
     p: params, or None in ``"updates"`` mode without decay.
     g: gradient.
     moments: ``(mu if centered, nu, trace if momentum)``, arrays or
-      `quant.Int8Blockwise` (mu and trace on the signed map, nu unsigned).
+      blockwise (`moment_roles`: nu a `quant.RootBlockwise`).
     scalars: `RMSPropScalars` of this step; momentum is on when ``moments``
       has a trace.
     key: the leaf's random key, when something rounds stochastically.
@@ -166,7 +170,7 @@ def rmsprop_reference(
   momentum = len(moments) == 1 + centered + 1
   return reference_update(
       _math(centered, eps_in_sqrt, momentum, nesterov), p, g, moments, scalars, mode=mode,
-      decay=decay, signed=moment_signs(centered=centered, momentum=momentum),
+      decay=decay, roles=moment_roles(centered=centered, momentum=momentum),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 
@@ -187,7 +191,7 @@ def rmsprop_kernel(
       _math(centered, eps_in_sqrt, momentum, nesterov), p, g, moments, scalars, mode=mode,
       decay=decay, backend=backend, interpret=interpret, name="rmsprop",
       flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1,
-      signed=moment_signs(centered=centered, momentum=momentum),
+      roles=moment_roles(centered=centered, momentum=momentum),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
   )
 

@@ -30,7 +30,7 @@ blockwise codes) and ``param_rounding="stochastic"`` for bfloat16 params;
 `convert_state` switches a state between formats.
 """
 
-from pallasopt.kernels.quant import Fp8Blockwise, Int8Blockwise
+from pallasopt.kernels.quant import Fp8Blockwise, Int8Blockwise, RatioBlockwise, RootBlockwise
 from pallasopt.optim._base import FusedGradientTransformation, apply_gradients
 from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
 from pallasopt.optim.adamw import adamw, nadamw
@@ -72,7 +72,7 @@ from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_sch
 from pallasopt.optim.lion import lion
 from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
 from pallasopt.optim.rmsprop import rmsprop
-from pallasopt.optim.state_formats import convert_state
+from pallasopt.optim.state_formats import convert_state, legacy_state_structure
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 from pallasopt.optim.white_kron import quad, scale_by_quad, scale_by_skew, skew
 from pallasopt.optim.muon import (
@@ -100,8 +100,11 @@ __all__ = [
     "FusedGradientTransformation",
     "apply_gradients",
     "convert_state",
+    "legacy_state_structure",
     "Int8Blockwise",
     "Fp8Blockwise",
+    "RootBlockwise",
+    "RatioBlockwise",
     # Type aliases of the signatures.
     "ScalarOrSchedule",
     "Numeric",

@@ -18,9 +18,11 @@ its per-step scalars.
 
 Low-bit state (``state_format``): ``"bf16"`` stores the moments in bfloat16,
 rounded stochastically on every store; ``"int8"`` (``"fp8"``) stores each
-moment of a leaf with at least `quant.MIN_QUANTIZED_SIZE` elements as a
-`quant.Int8Blockwise` (`quant.Fp8Blockwise`): codes and per-block absmax,
-inside Optax's own state NamedTuple, in place of the array; the moments of
+moment of a leaf with at least `quant.MIN_QUANTIZED_SIZE` elements blockwise (`quant`): codes and
+per-block absmax, inside Optax's own state NamedTuple, in place of the
+array, a second moment as its root (`quant.RootBlockwise`), a first moment
+that is divided by it as their ratio (`quant.RatioBlockwise`), others as
+themselves (`quant.Int8Blockwise`, `quant.Fp8Blockwise`); the moments of
 smaller leaves stay f32.
 Both apply to leaves whose params are float32 or bfloat16; any other leaf
 keeps Optax's state. ``param_rounding="stochastic"`` rounds bf16 params
@@ -62,11 +64,13 @@ __all__ = [
     "elementwise_transform",
     "check_state_format",
     "stored_moment",
-    "stored_moments",
+    "stored_leaf_moments",
+    "stored_moment_trees",
     "moment_value",
+    "leaf_moment_values",
     "is_quantized",
     "moment_arrays",
-    "momentum_bits",
+    "momentum_rounding",
     "check_seed",
     "check_low_bit_options",
     "decay_link_leaves",
@@ -99,17 +103,17 @@ def check_state_format(owner: str, state_format: Any, mu_dtype: jnp.dtype | None
 
 
 def stored_moment(
-    value: jax.Array, param: Any, *, signed: bool, state_format: str | None,
-    dtype: jnp.dtype | None = None,
-) -> jax.Array | quant.Int8Blockwise | quant.Fp8Blockwise:
+    value: jax.Array, param: Any, *, state_format: str | None, role: str = quant.SIGNED,
+    root: jax.Array | None = None, dtype: jnp.dtype | None = None,
+) -> jax.Array | quant.Blockwise:
   """A moment ``value`` stored as ``state_format`` keeps it for ``param``'s leaf.
 
   ``None``, and leaves whose params are not float32 or bfloat16: ``dtype``
   (default: the param's), as Optax's init. ``"bf16"``: bfloat16 (rounded to
-  nearest here; the steps round stochastically). ``"int8"``: a
-  `quant.Int8Blockwise` on the signed or unsigned map; ``"fp8"``: a
-  `quant.Fp8Blockwise`; both f32 for leaves under
-  `quant.MIN_QUANTIZED_SIZE` elements.
+  nearest here; the steps round stochastically). ``"int8"`` and ``"fp8"``:
+  blockwise in ``role`` (`quant.quantize`, rounded to nearest here; a
+  `quant.RATIO` needs ``root``, the f32 root of its second moment); f32 for
+  leaves under `quant.MIN_QUANTIZED_SIZE` elements.
   """
   if state_format is None or not v.kernel_dtypes(param):
     return value.astype(dtype or jnp.result_type(param))
@@ -117,20 +121,58 @@ def stored_moment(
     return value.astype(jnp.bfloat16)
   if math.prod(jnp.shape(param)) < quant.MIN_QUANTIZED_SIZE:
     return value.astype(jnp.float32)
-  return quant.quantize(value, signed=signed, fmt=state_format)
+  return quant.quantize(value, role=role, fmt=state_format, root=root)
 
 
-def stored_moments(tree: Any, params: Any, *, signed: bool, state_format: str | None) -> Any:
-  """`stored_moment` of each leaf of a moment tree (Optax's init), in its dtype."""
-  return jax.tree.map(
-      lambda m, p: stored_moment(m, p, signed=signed, state_format=state_format, dtype=m.dtype),
-      tree, params,
+def stored_leaf_moments(
+    values: Sequence[jax.Array], param: Any, *, roles: Sequence[str], state_format: str | None,
+    dtypes: Sequence[jnp.dtype | None] | None = None,
+) -> tuple[Any, ...]:
+  """One leaf's moments (f32 ``values``, one per role) stored as ``state_format`` keeps them.
+
+  A `quant.RATIO` moment is divided by the root of the leaf's `quant.ROOT`
+  moment (`stored_moment`).
+  """
+  root = None
+  if quant.ROOT in roles:
+    root = quant.to_stored(values[roles.index(quant.ROOT)].astype(jnp.float32), quant.ROOT)
+  dtypes = dtypes or [None] * len(values)
+  return tuple(
+      stored_moment(x, param, state_format=state_format, role=r, root=root, dtype=d)
+      for x, r, d in zip(values, roles, dtypes, strict=True)
   )
 
 
-def moment_value(moment: Any, *, signed: bool) -> jax.Array:
-  """The array a stored moment holds (a blockwise one dequantized to f32)."""
-  return quant.dequantize(moment, signed=signed) if is_quantized(moment) else moment
+def stored_moment_trees(
+    trees: Sequence[Any], params: Any, *, roles: Sequence[str], state_format: str | None
+) -> list[Any]:
+  """`stored_leaf_moments` of every leaf: one tree per moment, each leaf in its tree's dtype."""
+  treedef = jax.tree.structure(params)
+  columns = [jax.tree.leaves(t) for t in trees]
+  per_leaf = [
+      stored_leaf_moments(values, p, roles=roles, state_format=state_format,
+                          dtypes=[x.dtype for x in values])
+      for p, *values in zip(jax.tree.leaves(params), *columns, strict=True)
+  ]
+  by_moment = list(zip(*per_leaf, strict=True)) or [()] * len(trees)
+  return [treedef.unflatten(column) for column in by_moment]
+
+
+def moment_value(moment: Any, *, root: jax.Array | None = None) -> jax.Array:
+  """The array a stored moment holds (a blockwise one decoded to f32).
+
+  A `quant.RatioBlockwise` needs ``root``: `quant.stored_values` of its
+  second moment (see `leaf_moment_values`).
+  """
+  return quant.dequantize(moment, root=root) if is_quantized(moment) else moment
+
+
+def leaf_moment_values(moments: Sequence[Any], roles: Sequence[str]) -> list[jax.Array]:
+  """The arrays one leaf's stored moments hold, a ratio decoded with its root."""
+  root = None
+  if quant.ROOT in roles and is_quantized(moments[roles.index(quant.ROOT)]):
+    root = quant.stored_values(moments[roles.index(quant.ROOT)])
+  return [moment_value(m, root=root) for m in moments]
 
 # (count, learning_rate, weight_decay, grad_scale) -> the kernel's scalars.
 ScalarsFn = Callable[[jax.Array, Any, Any, Any], tuple]
@@ -153,17 +195,22 @@ def _check_hyperparameters(
   v.check_finite(owner, "weight_decay", weight_decay)
 
 
-def momentum_bits(
+def momentum_rounding(
     state_format: str | None, seed: Any, count: jax.Array, leaf: int, shape: tuple[int, ...]
-) -> jax.Array | None:
-  """Random bits for a bf16 momentum re-encoded in XLA (Muon, Adafactor), else None.
+) -> dict[str, Any]:
+  """How a momentum re-encoded in XLA (Muon, Adafactor) rounds: `store_moment`'s keywords.
 
   The momentum's stream (1) of leaf ``leaf`` at step ``count``, as the
-  fused kernels draw it for their first moment.
+  fused kernels draw it for their first moment: ``bits`` (by element index)
+  for bf16, ``key`` (`quant.code_bits` hash the values) for blockwise
+  codes; nothing (to nearest) otherwise.
   """
-  if state_format != "bf16":
-    return None
-  return quant.random_bits(quant.leaf_key(seed, count, leaf), quant.element_index(shape), 1)
+  if state_format == "bf16":
+    key = quant.leaf_key(seed, count, leaf)
+    return {"bits": quant.random_bits(key, quant.element_index(shape), 1)}
+  if state_format in quant.FORMATS:
+    return {"key": quant.leaf_key(seed, count, leaf), "stream": 1}
+  return {}
 
 
 def moment_arrays(tree: Any) -> Any:
@@ -338,7 +385,7 @@ def elementwise_transform(
     apply_kernel: KernelFn,
     updates_kernel: KernelFn,
     optax_scaling: optax.GradientTransformation,
-    signed: Sequence[bool],
+    roles: Sequence[str],
     state_format: str | None = None,
     param_rounding: str = "nearest",
     seed: int | None = None,
@@ -365,7 +412,7 @@ def elementwise_transform(
     updates_kernel: the same returning ``(u, *moments)``; ``p`` may be None.
     optax_scaling: Optax's ``scale_by_X`` with the same hyperparameters, run
       on the leaves whose dtypes no kernel takes.
-    signed: per moment, whether its values have both signs (the 8-bit map).
+    roles: per moment, how a blockwise one is stored (`quant.ROLES`).
     state_format: ``None``, ``"bf16"``, ``"int8"`` or ``"fp8"`` (module docstring).
     param_rounding: ``"nearest"`` or ``"stochastic"``, for bf16 params in
       ``apply_gradients``.
@@ -394,16 +441,11 @@ def elementwise_transform(
   def init_fn(params):
     # The first moment in mu_dtype, the others (and mu by default) as the params.
     dtypes = [mu_dtype] + [None] * (num_moments - 1)
-    moments = [
-        jax.tree.map(
-            lambda p, d=d, s=s: stored_moment(
-                jnp.zeros(jnp.shape(p), jnp.float32), p, signed=s,
-                state_format=state_format, dtype=d,
-            ),
-            params,
-        )
-        for d, s in zip(dtypes, signed, strict=True)
+    zeros = [
+        jax.tree.map(lambda p, d=d: jnp.zeros(jnp.shape(p), d or jnp.result_type(p)), params)
+        for d in dtypes
     ]
+    moments = stored_moment_trees(zeros, params, roles=roles, state_format=state_format)
     return state_cls(jnp.zeros([], jnp.int32), *moments), decay_tx.init(params), lr_tx.init(params)
 
   def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from pallasopt.kernels import adafactor as adafactor_kernels
+from pallasopt.kernels import quant
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.kernels._elementwise import store_moment
 from pallasopt.optim import _validation as v
@@ -17,8 +18,8 @@ from pallasopt.optim._elementwise_tx import (
     leaf_decay_rate,
     moment_arrays,
     moment_value,
-    momentum_bits,
-    stored_moments,
+    momentum_rounding,
+    stored_moment_trees,
     with_decay_link,
 )
 from pallasopt.optim._base import (
@@ -265,7 +266,8 @@ def adafactor(
     if state_format is not None:
       i = position["momentum"]
       state[i] = state[i]._replace(
-          ema=stored_moments(state[i].ema, params, signed=True, state_format=state_format)
+          ema=stored_moment_trees(
+              [state[i].ema], params, roles=(quant.SIGNED,), state_format=state_format)[0]
       )
     return tuple(state)
 
@@ -324,11 +326,11 @@ def adafactor(
             f"{_OWNER}: state_format={state_format!r} needs float32 or bfloat16 grads;"
             f" grads{path} has dtype {jnp.result_type(g)}."
         )
-      m32 = moment_value(m, signed=True).astype(jnp.float32)
+      m32 = moment_value(m).astype(jnp.float32)
       first, *stats, new_m = leaf_step(index, path, p, g, vr, vc, vf, m32, d)
-      bits = momentum_bits(
+      rounding = momentum_rounding(
           state_format, seed, optax.safe_increment(factored_state.count), index, jnp.shape(g))
-      return (first, *stats, store_moment(new_m, m, signed=True, bits=bits))
+      return (first, *stats, store_moment(new_m, m, **rounding))
 
     def leaf_step(index, path, p, g, vr, vc, vf, m, d):
       # Leaves whose params the kernels take store the momentum as

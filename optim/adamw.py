@@ -6,6 +6,7 @@ from typing import Any
 import optax
 
 from pallasopt.kernels import adamw as adamw_kernels
+from pallasopt.kernels import quant
 from pallasopt.optim._base import FusedGradientTransformation
 from pallasopt.optim._elementwise_tx import elementwise_transform
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
@@ -61,18 +62,25 @@ def adamw(
   memory (Dettmers et al., `8-bit Optimizers via Block-wise Quantization
   <https://arxiv.org/abs/2110.02861>`_, 2022). ``"bf16"``: every moment in
   bfloat16, rounded stochastically on each store (unbiased; round-to-nearest
-  stalls small updates). ``"int8"``: every moment of a leaf with at least
-  4096 elements as a `pallasopt.kernels.quant.Int8Blockwise` (uint8 codes of
-  a dynamic map, signed for first moments and unsigned for second, one f32
-  absmax per block of 256 elements: ~2.03 bytes per moment and param), in
-  place of the array inside Optax's state NamedTuple; smaller leaves keep
-  f32 moments. ``"fp8"``: the same blocks and absmax with float8 e4m3 codes
-  (`pallasopt.kernels.quant.Fp8Blockwise`: no map, 3 mantissa bits). Each
-  step decodes, updates in f32 and re-encodes in one pass. They apply to
-  leaves whose params are float32 or bfloat16 and need float32
-  or bfloat16 grads there. `pallasopt.optim.convert_state` converts a state
-  between formats. The random bits of stochastic rounding hash ``seed``, the
-  step, the leaf's index and the element's index: the same in every ``impl``.
+  stalls small updates). ``"int8"``: the moments of a leaf with at least
+  4096 elements as 8-bit codes with one f32 absmax per block of 256
+  elements (~2.03 bytes per moment and param), in place of the arrays
+  inside Optax's state NamedTuple; smaller leaves keep f32 moments. The
+  second moment is stored as its square root on a map without zero
+  (`pallasopt.kernels.quant.RootBlockwise`) and the first as its ratio to
+  that root (`pallasopt.kernels.quant.RatioBlockwise`, on a dynamic map),
+  both rounded stochastically: a second moment that decodes to zero would
+  divide a nonzero first moment by ``eps`` (Li et al., `Memory Efficient
+  Optimizers with 4-bit States <https://arxiv.org/abs/2309.01507>`_, 2023),
+  and rounding to nearest freezes an average that moves by less than half a
+  code per step. ``"fp8"``: the ratio as float8 e4m3 values, the root as
+  ``"int8"`` stores it. Each step decodes, updates in f32 and re-encodes in
+  one pass. They apply to leaves whose params are float32 or bfloat16 and
+  need float32 or bfloat16 grads there. `pallasopt.optim.convert_state`
+  converts a state between formats (and a low-bit state saved before
+  2026-11-26, which held the second moment itself). The random bits hash
+  ``seed``, the step, the leaf's index and the element's index (bf16) or the
+  value rounded (blockwise codes): the same in every ``impl``.
 
   Dtypes: leaves whose params, grads and moments are float32 or bfloat16 run
   the fused kernel (f32 math inside); any other leaf Optax accepts (float16,
@@ -119,7 +127,7 @@ def adamw(
       ),
       apply_kernel=functools.partial(adamw_kernels.adamw_apply, nesterov=nesterov),
       updates_kernel=functools.partial(adamw_kernels.adamw_updates, nesterov=nesterov),
-      signed=(True, False),
+      roles=(quant.RATIO, quant.ROOT),
       state_format=state_format,
       param_rounding=param_rounding,
       seed=seed,

@@ -5,6 +5,7 @@ from typing import Any
 import optax
 
 from pallasopt.kernels import lion as lion_kernels
+from pallasopt.kernels import quant
 from pallasopt.optim._base import FusedGradientTransformation
 from pallasopt.optim._elementwise_tx import elementwise_transform
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
@@ -96,7 +97,7 @@ def lion(
       scalars=lambda count, lr, wd, grad_scale: lion_kernels.lion_scalars(lr, b1, b2, wd, grad_scale),
       apply_kernel=lion_kernels.lion_apply,
       updates_kernel=lion_kernels.lion_updates,
-      signed=(True,),
+      roles=(quant.SIGNED,),
       state_format=state_format,
       param_rounding=param_rounding,
       seed=seed,

@@ -29,7 +29,7 @@ from pallasopt.optim._elementwise_tx import (
     is_quantized,
     moment_arrays,
     moment_value,
-    stored_moments,
+    stored_moment_trees,
 )
 from pallasopt.optim._types import ScalarOrSchedule
 
@@ -181,10 +181,10 @@ def mars(
 
   def init_fn(params):
     state = scaling.init(params)
-    stored = [
-        stored_moments(tree, params, signed=s, state_format=state_format)
-        for tree, s in zip((state.mu, state.nu, state.mog), mars_kernels.SIGNED, strict=True)
-    ]
+    stored = stored_moment_trees(
+        (state.mu, state.nu, state.mog), params, roles=mars_kernels.ROLES,
+        state_format=state_format,
+    )
     return ScaleByMarsState(state.count, *stored), lr_tx.init(params)
 
   def kernel_for(mode):
@@ -209,7 +209,7 @@ def mars(
     gs = jax.tree.leaves(grads)
     if grad_scale is not None:
       gs = [(g * grad_scale).astype(g.dtype) for g in gs]
-    previous = [moment_value(m, signed=True)
+    previous = [moment_value(m)
                 for m in jax.tree.leaves(mars_state.mog, is_leaf=is_quantized)]
     clip = _clip_scale(
         [_variance_reduced(g, m, gamma, b1) for g, m in zip(gs, previous, strict=True)],

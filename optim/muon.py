@@ -65,7 +65,7 @@ from pallasopt.optim._elementwise_tx import (
     is_quantized,
     moment_arrays,
     moment_value,
-    momentum_bits,
+    momentum_rounding,
     stored_moment,
 )
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
@@ -753,8 +753,7 @@ def muon(
   def chain_init(params):
     mu = jax.tree.map(
         lambda p: stored_moment(
-            jnp.zeros(jnp.shape(p), jnp.float32), p, signed=True, state_format=state_format,
-            dtype=mu_dtype,
+            jnp.zeros(jnp.shape(p), jnp.float32), p, state_format=state_format, dtype=mu_dtype,
         ),
         params,
     )
@@ -774,7 +773,7 @@ def muon(
     dtype = _compute_dtype(g)
     real = jnp.finfo(dtype).dtype
     corrected = lambda x, t: x / jnp.asarray(1 - beta**t, real)
-    g32, m32 = g.astype(dtype), moment_value(m, signed=True).astype(dtype)
+    g32, m32 = g.astype(dtype), moment_value(m).astype(dtype)
     m_new = (1 - beta) * g32 + beta * m32
     if momentum == "lerp":
       hat = (1 - beta) * g32 + beta * m_new if nesterov else m_new
@@ -782,8 +781,8 @@ def muon(
       hat = beta * corrected(m_new, count + 1) + (1 - beta) * corrected(g32, count)
     else:
       hat = corrected(m_new, count)
-    bits = momentum_bits(state_format, seed, count, leaf, jnp.shape(g))
-    return hat.astype(dtype), store_moment(m_new, m, signed=True, bits=bits)
+    rounding = momentum_rounding(state_format, seed, count, leaf, jnp.shape(g))
+    return hat.astype(dtype), store_moment(m_new, m, **rounding)
 
   def scale_vector(layout: _Layout, spec: _Spec, parts):
     """Per-output-column scale (one value per part), broadcast on (b, r, o)."""

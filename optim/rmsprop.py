@@ -19,7 +19,7 @@ from pallasopt.optim._elementwise_tx import (
     decay_link_leaves,
     fused_leaf_steps,
     moment_arrays,
-    stored_moments,
+    stored_moment_trees,
 )
 from pallasopt.optim._types import Numeric, ScalarOrSchedule
 
@@ -70,8 +70,9 @@ def rmsprop(
   in one kernel per leaf, in place.
 
   Low-bit state (``state_format``, ``param_rounding``, ``seed``) works as in
-  `pallasopt.optim.adamw`: :math:`\nu` on the unsigned 8-bit map,
-  :math:`\mu` and the trace on the signed one. Stochastic rounding needs a
+  `pallasopt.optim.adamw`: :math:`\nu` as its root on the zero-free map
+  (`pallasopt.kernels.quant.RootBlockwise`), :math:`\mu` and the trace as
+  themselves on the signed one. Stochastic rounding needs a
   step count: when Optax's state has none (no bias correction) the RMS state
   takes its ``WithCount`` form, which is then not Optax's tree.
 
@@ -118,8 +119,8 @@ def rmsprop(
   lr_tx = optax.scale_by_learning_rate(learning_rate)
   trace_tx = optax.trace(momentum, nesterov) if momentum is not None else None
   counted_scaling = scale_cls(**scale_kwargs, bias_correction=True)
-  # Kernel moment order (mu, nu, trace); the 8-bit map of each.
-  signs = rmsprop_kernels.moment_signs(centered=centered, momentum=trace_tx is not None)
+  # Kernel moment order (mu, nu, trace); how each is stored when blockwise.
+  roles = rmsprop_kernels.moment_roles(centered=centered, momentum=trace_tx is not None)
   kernel_config = dict(centered=centered, eps_in_sqrt=eps_in_sqrt, nesterov=nesterov)
 
   def moment_trees(state):
@@ -140,10 +141,8 @@ def rmsprop(
   def init_fn(params):
     rms = (counted_scaling if counted else scaling).init(params)
     state = (rms, lr_tx.init(params), trace_tx.init(params) if trace_tx else optax.EmptyState())
-    trees = [
-        stored_moments(tree, params, signed=s, state_format=state_format)
-        for tree, s in zip(moment_trees(state), signs, strict=True)
-    ]
+    trees = stored_moment_trees(
+        moment_trees(state), params, roles=roles, state_format=state_format)
     return with_moments(state, trees, state[0].count if counted else None)
 
   def apply_kernel(p, g, *rest, decay, impl, **rounding):

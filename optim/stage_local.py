@@ -363,7 +363,7 @@ def _per_param_entries(node: Any, params_def: Any) -> list[Any] | None:
   """``node``'s entries, one per param, if it is stored per param; else None.
 
   Per param means the params' structure with one leaf per param (an array,
-  an 8-bit moment, an ``optax.MaskedNode``), or one list of arrays per param
+  a blockwise moment, an ``optax.MaskedNode``), or one list of arrays per param
   (Kron's factors): what `pipeline.sharding.optimizer_state_specs` matches.
   """
   entry = lambda x: isinstance(x, optax.MaskedNode) or quant.is_blockwise(x)

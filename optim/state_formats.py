@@ -39,23 +39,27 @@ from pallasopt.optim._elementwise_tx import (
     is_quantized,
     moment_arrays,
     moment_value,
-    stored_moment,
+    stored_leaf_moments,
 )
 
-__all__ = ["convert_state"]
+__all__ = ["convert_state", "legacy_state_structure"]
 
 _OWNER = "pallasopt.optim.convert_state"
-# The moment fields of each state class and whether each one is signed.
-_MOMENTS: dict[type, dict[str, bool]] = {
-    optax.ScaleByAdamState: {"mu": True, "nu": False},
-    optax.ScaleByLionState: {"mu": True},
-    MuonState: {"mu": True},
-    ScaleByMarsState: {"mu": True, "nu": False, "mog": True},
-    optax.ScaleByRmsState: {"nu": False},
-    optax.ScaleByRStdDevState: {"mu": True, "nu": False},
+# The moment fields of each state class and how each is stored when blockwise
+# (`quant.ROLES`): a second moment as its root, a first moment that is
+# divided by it as their ratio, the others as themselves.
+_ADAM = {"mu": quant.RATIO, "nu": quant.ROOT}
+_MOMENTS: dict[type, dict[str, str]] = {
+    optax.ScaleByAdamState: _ADAM,
+    optax.ScaleByLionState: {"mu": quant.SIGNED},
+    MuonState: {"mu": quant.SIGNED},
+    ScaleByMarsState: {**_ADAM, "mog": quant.SIGNED},
+    optax.ScaleByRmsState: {"nu": quant.ROOT},
+    optax.ScaleByRStdDevState: {"mu": quant.SIGNED, "nu": quant.ROOT},
     # Optax does not export the bias-corrected forms' classes; their inits do.
-    type(optax.scale_by_rms(bias_correction=True).init({})): {"nu": False},
-    type(optax.scale_by_stddev(bias_correction=True).init({})): {"mu": True, "nu": False},
+    type(optax.scale_by_rms(bias_correction=True).init({})): {"nu": quant.ROOT},
+    type(optax.scale_by_stddev(bias_correction=True).init({})): {
+        "mu": quant.SIGNED, "nu": quant.ROOT},
 }
 
 
@@ -67,6 +71,27 @@ def _moment_leaf(x: Any) -> bool:
   return _masked(x) or is_quantized(x)
 
 
+def _leaf_values(moments: list[Any], roles: tuple[str, ...]) -> list[jax.Array]:
+  """The f32 arrays one leaf's moments hold, in any format, current or saved before 2026-11-26.
+
+  Before then a blockwise second moment was stored as itself (an
+  `Int8Blockwise` or `Fp8Blockwise` where a `quant.RootBlockwise` is now)
+  and a first moment too (where a `quant.RatioBlockwise` is now).
+  """
+  root = None
+  if quant.ROOT in roles:
+    stored = moments[roles.index(quant.ROOT)]
+    if is_quantized(stored) and quant.role_of(stored) == quant.ROOT:
+      root = quant.stored_values(stored)
+
+  def value(m, role):
+    if is_quantized(m) and role == quant.ROOT and quant.role_of(m) == quant.SIGNED:
+      return quant.legacy_second_moment(m)
+    return moment_value(m, root=root)
+
+  return [jnp.asarray(value(m, r), jnp.float32) for m, r in zip(moments, roles, strict=True)]
+
+
 def convert_state(
     opt_state: optax.OptState,
     params: optax.Params,
@@ -75,13 +100,18 @@ def convert_state(
     mu_dtype: Any | None = None,
     legacy_scales: bool = False,
 ) -> optax.OptState:
-  """Returns ``opt_state`` with its AdamW and Lion moments stored as ``state_format``.
+  """Returns ``opt_state`` with its moments stored as ``state_format``.
 
   Args:
     opt_state: a state of `pallasopt.optim.adamw`, ``nadamw``, ``lion``,
       ``muon``, ``mars`` or ``rmsprop`` (any ``state_format``) or of
       ``optax.adamw`` / ``nadamw`` / ``lion`` / ``rmsprop`` /
-      ``contrib.muon``, possibly wrapped.
+      ``contrib.muon``, possibly wrapped. A low-bit state saved by pallasopt
+      before 2026-11-26, which stored second moments (and the first moments
+      divided by them) as themselves, converts too: restore it with
+      `legacy_state_structure` as the target. Where its second moment
+      decoded to zero the converted first moment is zero too (the step that
+      state would take there divides by ``eps``).
     params: the params the state belongs to (arrays or
       ``jax.ShapeDtypeStruct``s): they decide each leaf's storage, as
       ``init`` does.
@@ -97,7 +127,7 @@ def convert_state(
   Returns:
     The state, the same tree except for the moments' storage: what
     ``init`` of a transform with that ``state_format`` returns, holding these
-    moments.
+    moments (rounded to nearest).
 
   Raises:
     ValueError: for an unknown ``state_format``, ``mu_dtype`` with a low-bit
@@ -112,28 +142,80 @@ def convert_state(
   def convert_node(node):
     if type(node) not in _MOMENTS:
       return node
-    fields = {}
-    for i, (name, signed) in enumerate(_MOMENTS[type(node)].items()):
-      moments = getattr(node, name)
-      # Under optax.masked / optax.partition a moment tree holds MaskedNodes
-      # where other transforms own the params.
-      try:
-        owned = jax.tree.map(
-            lambda m, p: m if _masked(m) else p, moments, params, is_leaf=_moment_leaf
-        )
-      except (ValueError, TypeError):
-        owned = params
-      v.check_same_tree(_OWNER, f"opt_state.{name}", moment_arrays(moments), "params", owned)
-      dtype = mu_dtype if i == 0 else None
-      fields[name] = jax.tree.map(
-          lambda m, p, s=signed, d=dtype: m if _masked(m) else stored_moment(
-              jnp.asarray(moment_value(current(m), signed=s), jnp.float32), p, signed=s,
-              state_format=state_format, dtype=d,
-          ),
-          moments, owned, is_leaf=_moment_leaf,
+    names, roles = zip(*_MOMENTS[type(node)].items())
+    trees = [getattr(node, name) for name in names]
+    # Under optax.masked / optax.partition a moment tree holds MaskedNodes
+    # where other transforms own the params.
+    try:
+      owned = jax.tree.map(
+          lambda m, p: m if _masked(m) else p, trees[0], params, is_leaf=_moment_leaf
       )
-    return node._replace(**fields)
+    except (ValueError, TypeError):
+      owned = params
+    for name, tree in zip(names, trees, strict=True):
+      v.check_same_tree(_OWNER, f"opt_state.{name}", moment_arrays(tree), "params", owned)
+    flat = [jax.tree.flatten(tree, is_leaf=_moment_leaf) for tree in trees]
+    dtypes = [mu_dtype] + [None] * (len(names) - 1)
+
+    def leaf(p, *moments):
+      if _masked(moments[0]):
+        return moments
+      moments = [current(m) for m in moments]
+      if state_format in quant.FORMATS and all(
+          is_quantized(m) and quant.role_of(m) == r and quant.codec_of(m) == quant.codec(r, state_format)
+          for m, r in zip(moments, roles, strict=True)):
+        return tuple(moments)  # already stored so: kept code for code
+      values = _leaf_values(moments, roles)
+      return stored_leaf_moments(
+          values, p, roles=roles, state_format=state_format, dtypes=dtypes
+      )
+
+    per_leaf = [
+        leaf(p, *ms) for p, *ms in zip(
+            jax.tree.leaves(owned, is_leaf=_masked), *(leaves for leaves, _ in flat), strict=True)
+    ]
+    columns = list(zip(*per_leaf, strict=True)) or [()] * len(names)
+    return node._replace(**{
+        name: treedef.unflatten(column)
+        for name, (_, treedef), column in zip(names, flat, columns, strict=True)
+    })
 
   return jax.tree.map(
       convert_node, opt_state, is_leaf=lambda x: type(x) in _MOMENTS or is_quantized(x)
   )
+
+
+def legacy_state_structure(opt_state: optax.OptState, state_format: str) -> optax.OptState:
+  """The tree a ``state_format`` state like ``opt_state`` had when pallasopt saved it before 2026-11-26.
+
+  Then every blockwise moment was an `Int8Blockwise` (``"int8"``) or
+  `Fp8Blockwise` (``"fp8"``) with fields ``codes`` and ``scales``; now
+  second moments are `quant.RootBlockwise` and the first moments divided by
+  them `quant.RatioBlockwise`, whose fields are named apart so that an old
+  checkpoint does not restore into them unnoticed (orbax names the missing
+  path). Restore an old checkpoint with this tree as the target
+  (``opt_state`` may hold ``jax.ShapeDtypeStruct``s, e.g.
+  ``jax.eval_shape(tx.init, params)``), then `convert_state` it::
+
+    target = pallasopt.optim.legacy_state_structure(jax.eval_shape(tx.init, params), "int8")
+    old = checkpointer.restore(path, target)
+    opt_state = pallasopt.optim.convert_state(old, params, "int8")
+  """
+  if state_format not in quant.FORMATS:
+    raise ValueError(
+        f"legacy_state_structure: state_format must be one of {quant.FORMATS} (the blockwise "
+        f"formats); got {state_format!r}."
+    )
+  cls = quant.Fp8Blockwise if state_format == "fp8" else quant.Int8Blockwise
+  dtype = jnp.float8_e4m3fn if state_format == "fp8" else jnp.uint8
+
+  def legacy(node):
+    if not is_quantized(node) or quant.role_of(node) == quant.SIGNED:
+      return node
+    codes = node.codes
+    return cls(
+        jax.ShapeDtypeStruct(codes.shape, dtype, sharding=getattr(codes, "sharding", None)),
+        node.scales,
+    )
+
+  return jax.tree.map(legacy, opt_state, is_leaf=is_quantized)

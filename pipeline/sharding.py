@@ -38,7 +38,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallasopt.kernels import quant
-from pallasopt.optim import Fp8Blockwise, Int8Blockwise
 
 __all__ = [
     "AutoShardingRule",
@@ -111,8 +110,8 @@ def _is_masked(node: Any) -> bool:
 
 
 def _is_state_leaf(node: Any) -> bool:
-  # An 8-bit moment stands where its param's moment array would.
-  return _is_masked(node) or isinstance(node, (Int8Blockwise, Fp8Blockwise))
+  # A blockwise moment stands where its param's moment array would.
+  return _is_masked(node) or quant.is_blockwise(node)
 
 
 def _blockwise_specs(moment: Any, param_shape, param_spec: PartitionSpec) -> Any:
@@ -132,7 +131,7 @@ def _blockwise_specs(moment: Any, param_shape, param_spec: PartitionSpec) -> Any
     if tuple(moment.scales.shape[:leading]) != tuple(param_shape[:leading]):
       leading = 0
     scales = entries[:leading]
-  return type(moment)(codes=_make_spec(entries), scales=_make_spec(scales))
+  return type(moment)(_make_spec(entries), _make_spec(scales))
 
 
 def _shard_factor(mesh_shape: Mapping[str, int], spec: PartitionSpec) -> int:
@@ -602,7 +601,7 @@ def _matched_specs(path: KeyPath, node: Any, params: _Params, field: str | None)
     if _is_masked(leaf):
       specs.append(leaf)
       continue
-    if isinstance(leaf, (Int8Blockwise, Fp8Blockwise)):
+    if quant.is_blockwise(leaf):
       specs.append(_blockwise_specs(leaf, param.shape, spec))
       continue
     shape = _as_struct(path + leaf_path, leaf, "opt_state").shape
@@ -696,9 +695,8 @@ def optimizer_state_specs(
       equal-sized dims could have been removed, Adafactor's choice is used
       under ``v_row``/``v_col`` and the last such dim elsewhere;
     - any other leaf (Adafactor's ``(1,)`` placeholders) is replicated;
-    - a blockwise moment (``state_format="int8"`` or ``"fp8"``, an
-      `Int8Blockwise` or `Fp8Blockwise`): its
-      codes take the param's spec, its per-block scales the spec of the
+    - a blockwise moment (``state_format="int8"`` or ``"fp8"``, any
+      `pallasopt.kernels.quant.Blockwise`): its codes take the param's spec, its per-block scales the spec of the
       param's leading dims they keep (their blocked last axis is whole).
 
   * A subtree holding, for each param, a list or tuple of arrays

@@ -54,9 +54,9 @@ def test_elementwise_families_compile_with_the_chips_kernels(family, fmt, chip):
   tx = ELEMENTWISE_FAMILIES[family]("auto", fmt)
   state = jax.eval_shape(tx.init, FAMILY_TREE)
   compiled = compile_for(_fused(tx), chip, FAMILY_TREE, FAMILY_TREE, state)
-  assert _all_kernels(compiled) == auto_kernels(fmt, chip)
+  assert _all_kernels(compiled) == auto_kernels(fmt, chip, family=family)
   assert _exported_kernels(_fused(tx), chip, FAMILY_TREE, FAMILY_TREE, state) == auto_kernels(
-      fmt, chip)
+      fmt, chip, family=family)
   if CHIPS[chip][1] == "tpu":
     # The kernel path needs no more temporary memory than Optax's step.
     ours = compiled.memory_analysis().temp_size_in_bytes
@@ -86,7 +86,7 @@ def test_update_mode_compiles_the_chips_choice(family, fmt, chip):
   tx = ELEMENTWISE_FAMILIES[family]("auto", fmt)
   state = jax.eval_shape(tx.init, FAMILY_TREE)
   compiled = compile_for(optimizer_step(tx, fused=False), chip, FAMILY_TREE, FAMILY_TREE, state)
-  assert _all_kernels(compiled) == auto_kernels(fmt, chip, "updates")
+  assert _all_kernels(compiled) == auto_kernels(fmt, chip, "updates", family)
 
 
 @pytest.mark.parametrize("chip", TPU_TARGETS)

@@ -20,6 +20,7 @@ import pallasopt
 from helpers import (
     CUSTOM_CALL,
     assert_close,
+    blockwise_adam_moments,
     digits_mlp,
     frozen_at,
     lowered_text,
@@ -28,7 +29,7 @@ from helpers import (
     tolerance,
 )
 from pallasopt.kernels import adamw as adamw_k, lion as lion_k, quant
-from pallasopt.optim import Fp8Blockwise, Int8Blockwise
+from pallasopt.optim import Fp8Blockwise, Int8Blockwise, RatioBlockwise, RootBlockwise
 from pallasopt.pipeline.sharding import optimizer_state_specs
 
 # Leaves that exercise the 8-bit kernel's tiling: one block, whole rows of
@@ -48,31 +49,62 @@ _HALF_GAP = 1 + float(quant.map_values(True)[0])
 _CODEC_ROUNDINGS = 8
 
 
+# The root map: neighbouring values at most 2^-4 apart relative to the smaller
+# (a stochastic rounding lands on one of the two around the value); roots
+# below its least value (2^-15 / (31/16) of the block's absmax) decode to it.
+_ROOT_STEP = 2.0**-4
+_LEAST_ROOT = 2.0**-15 * 16 / 31
+
+
+def _root_bound(w, absmax):
+  """The largest |decoded root - w| of a stochastically rounded root ``w`` (f32 roundings aside)."""
+  return _ROOT_STEP * np.maximum(w, _LEAST_ROOT * absmax) + _LEAST_ROOT * absmax
+
+
+def _pair_error(got_m, got_v, m, v):
+  """Per element, whether stored (m, v) decode within the bounds of a ratio and a root.
+
+  The root ``w' `` of ``v`` is within `_root_bound` of ``w = sqrt(v)``; the
+  ratio ``r' `` within one gap of the dynamic map (twice `_HALF_GAP`, times
+  the block's absmax of ``r = m / w``) of ``r``, so ``|r' w' - m| <= |r' -
+  r| w' + |r| |w' - w|``. Both moments carry f32 roundings of a few ulps.
+  """
+  block = lambda x: np.repeat(np.abs(x).reshape(-1, 256).max(axis=1), 256).reshape(x.shape)
+  w, w_got = np.sqrt(v.astype(np.float64)), np.sqrt(got_v.astype(np.float64))
+  root_ok = np.abs(w_got - w) <= _root_bound(w, block(w)) + 8 * _U * block(w)
+  r = np.where(w > 0, m / np.where(w > 0, w, 1), 0)
+  ratio_error = 2 * _HALF_GAP * block(r) + 8 * _U * block(r)
+  m_ok = np.abs(got_m - m) <= ratio_error * w_got + np.abs(r) * np.abs(w_got - w) + 8 * _U * block(m)
+  return root_ok & m_ok
+
+
 def _int8_bound(absmax, delta=0.0):
   """The largest |decoded - x| of an int8-stored moment, per element.
 
-  A moment ``m`` is stored; the test knows ``x`` with ``|m - x| <= delta``
-  (0 when ``m`` is ``x``; else the f32 rounding by which two computations of
-  the same moment differ). ``absmax`` is ``x``'s block absmax, so ``m``'s is
-  at most ``absmax + delta``, and
+  A moment ``m`` is stored, its code rounded stochastically to one of the two
+  map values around it, at most one gap (twice `_HALF_GAP`) apart; the test
+  knows ``x`` with ``|m - x| <= delta`` (0 when ``m`` is ``x``; else the f32
+  rounding by which two computations of the same moment differ). ``absmax``
+  is ``x``'s block absmax, so ``m``'s is at most ``absmax + delta``, and
 
     |decode(encode(m)) - x| <= |decode(encode(m)) - m| + |m - x|
-                             <= (_HALF_GAP + _CODEC_ROUNDINGS U) (absmax + delta) + delta.
+                             <= (2 _HALF_GAP + _CODEC_ROUNDINGS U) (absmax + delta) + delta.
   """
-  return (_HALF_GAP + _CODEC_ROUNDINGS * _U) * (absmax + delta) + delta
+  return (2 * _HALF_GAP + _CODEC_ROUNDINGS * _U) * (absmax + delta) + delta
 
 
 QUANT_SHAPES = [(256,), (40, 256), (3, 5, 256), (2, 3, 128), (16, 1024), (300,), (7, 700)]
 
 
 def _state(rng, shape, fmt, n_moments):
+  """Lion's momentum (one moment, signed) or AdamW's (m, v) in ``fmt``."""
   m = random_array(rng, shape, jnp.float32, scale=0.1)
   v = random_array(rng, shape, jnp.float32, positive=True, scale=0.01)
-  if fmt in ("int8", "fp8"):
-    moments = (quant.quantize(m, signed=True, fmt=fmt), quant.quantize(v, signed=False, fmt=fmt))
-  else:
-    moments = (m.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
-  return moments[:n_moments]
+  if fmt not in quant.FORMATS:
+    return (m.astype(jnp.bfloat16), v.astype(jnp.bfloat16))[:n_moments]
+  if n_moments == 1:
+    return (quant.quantize(m, fmt=fmt),)
+  return blockwise_adam_moments(m, v, fmt)
 
 
 def _assert_same(got, want, what):
@@ -139,20 +171,19 @@ def test_kernel_state_equals_reference_bit_for_bit(
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("shape", [(4096, 1024), (40, 256), (3, 5, 256)], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("blockwise", [Int8Blockwise, Fp8Blockwise], ids=["int8", "fp8"])
-def test_blockwise_and_stochastic_kernels_lower(platform, shape, dtype, blockwise):
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_blockwise_and_stochastic_kernels_lower(platform, shape, dtype, fmt):
   # On CUDA for an H100: Triton's fp8 conversions need sm_89 or newer
   # (test_lowering_dispatch covers the A100).
   chip = "h100" if platform == "cuda" else None
   p = sds(shape, dtype)
-  code_dtype = jnp.uint8 if blockwise is Int8Blockwise else jnp.float8_e4m3fn
-  m = blockwise(sds(shape, code_dtype), sds(quant.scales_shape(shape)))
+  m, mv = _abstract_moments(shape, fmt)
   key = sds((), jnp.int32)
   scalars = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
   adamw = lambda p, g, m, v, s, k: adamw_k.adamw_apply(
       p, g, m, v, s, k, impl="pallas", param_rounding="stochastic"
   )
-  assert lowered_text(adamw, platform, p, p, m, m, scalars, key, chip=chip).count(CUSTOM_CALL[platform]) == 1
+  assert lowered_text(adamw, platform, p, p, *mv, scalars, key, chip=chip).count(CUSTOM_CALL[platform]) == 1
   lion = lambda p, g, m, k: lion_k.lion_updates(
       p, g, m, lion_k.lion_scalars(1e-3, 0.9, 0.99, 0.1), k, impl="pallas"
   )
@@ -164,13 +195,21 @@ def test_blockwise_and_stochastic_kernels_lower(platform, shape, dtype, blockwis
   assert lowered_text(sr, platform, p, p, bf16, bf16, scalars, key, chip=chip).count(CUSTOM_CALL[platform]) == 1
 
 
+def _abstract_moments(shape, fmt):
+  """Abstract Lion momentum and AdamW (m, v) of ``fmt`` for a leaf of ``shape``."""
+  scales = sds(quant.scales_shape(shape))
+  codes = sds(shape, jnp.float8_e4m3fn if fmt == "fp8" else jnp.uint8)
+  signed = (Fp8Blockwise if fmt == "fp8" else Int8Blockwise)(codes, scales)
+  return signed, (RatioBlockwise(codes, scales), RootBlockwise(sds(shape, jnp.uint8), scales))
+
+
 def test_auto_runs_the_triton_kernel_for_8_bit_moments_on_cuda():
   # XLA cannot fuse the blockwise re-encoding into one pass (kernels._elementwise.cuda_auto).
   p, key = sds((4096, 1024)), sds((), jnp.int32)
-  m = Int8Blockwise(sds((4096, 1024), jnp.uint8), sds(quant.scales_shape((4096, 1024))))
+  _, mv = _abstract_moments((4096, 1024), "int8")
   scalars = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
   auto = lambda p, g, m, v, s, k: adamw_k.adamw_apply(p, g, m, v, s, k, impl="auto")
-  assert lowered_text(auto, "cuda", p, p, m, m, scalars, key).count(CUSTOM_CALL["cuda"]) == 1
+  assert lowered_text(auto, "cuda", p, p, *mv, scalars, key).count(CUSTOM_CALL["cuda"]) == 1
   bf16 = sds((4096, 1024), jnp.bfloat16)
   sr = lambda p, g, m, v, s, k: adamw_k.adamw_apply(
       p, g, m, v, s, k, impl="auto", state_rounding="stochastic")
@@ -209,8 +248,11 @@ def _state_bytes(tree) -> int:
 def test_state_layout_and_bytes_per_param(make):
   params = _params()
   moments = make(1e-3, state_format="int8").init(params)[0][1:]
-  for moment in moments:
-    assert isinstance(moment["w"], Int8Blockwise) and isinstance(moment["e"], Int8Blockwise)
+  # AdamW: the first moment as its ratio to the second's root, the second as
+  # its root; Lion: its momentum as itself.
+  kinds = (RatioBlockwise, RootBlockwise) if len(moments) == 2 else (Int8Blockwise,)
+  for moment, kind in zip(moments, kinds, strict=True):
+    assert isinstance(moment["w"], kind) and isinstance(moment["e"], kind)
     assert moment["w"].codes.dtype == jnp.uint8 and moment["w"].scales.shape == (1, 48)
     assert moment["b"].dtype == jnp.float32 and moment["h"].dtype == jnp.float16
   big = {k: params[k] for k in ("w", "e")}
@@ -218,8 +260,11 @@ def test_state_layout_and_bytes_per_param(make):
       x.size for x in big.values())
   assert per_param <= 2.1 * len(moments) / 2, per_param
   fp8 = make(1e-3, state_format="fp8").init(params)[0][1:]
-  assert all(isinstance(m["w"], Fp8Blockwise) and m["w"].codes.dtype == jnp.float8_e4m3fn
-             for m in fp8)
+  # fp8: float8 codes but for the second moment's root (the root map's uint8).
+  fp8_kinds = (RatioBlockwise, RootBlockwise) if len(moments) == 2 else (Fp8Blockwise,)
+  for m, kind in zip(fp8, fp8_kinds, strict=True):
+    assert isinstance(m["w"], kind)
+    assert m["w"].codes.dtype == (jnp.uint8 if kind is RootBlockwise else jnp.float8_e4m3fn)
   assert _state_bytes(make(1e-3, state_format="fp8").init(big)[0][1:]) == _state_bytes(
       make(1e-3, state_format="int8").init(big)[0][1:])
   bf16 = make(1e-3, state_format="bf16").init(params)[0][1:]
@@ -275,10 +320,8 @@ def test_transform_paths_agree_in_every_impl(make, fmt):
 def test_int8_steps_track_the_f32_optimizer():
   # One step from the same moments: the only difference is the 8-bit
   # storage of the new moments, so p moves as Optax's does, and the stored
-  # moments are within `_int8_bound` of Optax's: from zero moments, ours and
-  # Optax's first moment are each one rounding of (1 - b1) g (the same f32
-  # constant), the second moments at most two of (1 - b2) g g, whatever the
-  # op order or FMA contraction: they differ by at most 4 U of their value.
+  # moments decode within `_pair_error`'s bounds of Optax's (from zero
+  # moments ours and Optax's are one and two roundings of the same values).
   params = _params()
   tx8 = pallasopt.optim.adamw(1e-2, state_format="int8", impl="xla")
   ref = optax.adamw(1e-2)
@@ -289,12 +332,11 @@ def test_int8_steps_track_the_f32_optimizer():
   pref = optax.apply_updates(params, u)
   for k in ("w", "b"):
     np.testing.assert_allclose(p8[k], pref[k], rtol=1e-6, atol=1e-7)
-  for name, signed in (("mu", True), ("nu", False)):
-    got = quant.dequantize(getattr(s8[0], name)["w"], signed=signed)
-    want = getattr(sref[0], name)["w"]
-    absmax = jnp.abs(want).reshape(-1, 256).max(axis=1, keepdims=True)
-    err = jnp.abs(got - want).reshape(-1, 256)
-    assert bool(jnp.all(err <= _int8_bound(absmax, 4 * _U * absmax))), name
+  root = quant.stored_values(s8[0].nu["w"])
+  got_m = np.asarray(quant.dequantize(s8[0].mu["w"], root=root), np.float64)
+  got_v = np.asarray(quant.dequantize(s8[0].nu["w"]), np.float64)
+  ok = _pair_error(got_m, got_v, np.asarray(sref[0].mu["w"]), np.asarray(sref[0].nu["w"]))
+  assert ok.all(), np.argwhere(~ok)[:5]
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
@@ -354,7 +396,7 @@ def test_adafactor_momentum_in_low_bit_formats(fmt, impl):
   delta = tolerance(jnp.float32) * np.abs(r).max()
   if fmt == "int8":
     absmax = np.repeat(np.abs(r).reshape(-1, 256).max(axis=1), 256).reshape(r.shape)
-    err = np.abs(np.asarray(quant.dequantize(m, signed=True)) - r)
+    err = np.abs(np.asarray(quant.dequantize(m)) - r)
     assert np.all(err <= _int8_bound(absmax, delta))
   else:
     err = np.abs(np.asarray(m, np.float32) - r)
@@ -370,11 +412,10 @@ def test_a_state_saved_in_the_old_scales_layout_converts_or_fails_clearly():
   tx = pallasopt.optim.adamw(1e-3, state_format="int8")
   state = tx.init(params)
   _, state = jax.jit(tx.apply_gradients)(params, _grads(params, 0), state)
-  blockwise = lambda x: isinstance(x, Int8Blockwise)
   old = jax.tree.map(
-      lambda m: Int8Blockwise(m.codes, jnp.swapaxes(m.scales, -1, -2))
-      if blockwise(m) and quant.rows_hold_blocks(m.codes.shape) else m,
-      state, is_leaf=blockwise)
+      lambda m: type(m)(m.codes, jnp.swapaxes(m.scales, -1, -2))
+      if quant.is_blockwise(m) and quant.rows_hold_blocks(m.codes.shape) else m,
+      state, is_leaf=quant.is_blockwise)
   with pytest.raises(ValueError, match=r"legacy_scales=True"):
     tx.update(_grads(params, 1), old, params)
   converted = pallasopt.optim.convert_state(old, params, "int8", legacy_scales=True)
@@ -397,9 +438,10 @@ def test_convert_state_round_trips_through_low_bit_formats():
     want, got = getattr(state[1][0], name), getattr(back[1][0], name)
     assert got["h"].dtype == jnp.float16 and got["e"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(got["b"], want["b"])  # small leaves stay f32
-    w, g = np.asarray(want["w"]), np.asarray(got["w"])
-    absmax = np.abs(w).reshape(-1, 256).max(axis=1, keepdims=True)
-    assert np.all(np.abs(g - w).reshape(-1, 256) <= _int8_bound(absmax))
+  # Converted to nearest, within the stochastic bounds a fortiori.
+  ok = _pair_error(*(np.asarray(x["w"], np.float64) for x in (back[1][0].mu, back[1][0].nu)),
+                   *(np.asarray(x["w"], np.float64) for x in (state[1][0].mu, state[1][0].nu)))
+  assert ok.all()
   # The converted state steps like one the low-bit transform built.
   jax.jit(tx8.update)(_grads(params, 2), as_int8, params)
   as_bf16 = pallasopt.optim.convert_state(state, params, "bf16")
@@ -435,9 +477,10 @@ def test_sharding_specs_and_a_sharded_step():
   specs = {"w": P("data"), "v": P(None, "data"), "b": P()}
   tx = pallasopt.optim.adamw(1e-3, state_format="int8")
   state_specs = optimizer_state_specs(jax.eval_shape(tx.init, params), params, specs)
-  mu = state_specs[0].mu
-  assert mu["w"] == Int8Blockwise(codes=P("data"), scales=P(None, "data"))  # scales (1, 64)
-  assert mu["v"] == Int8Blockwise(codes=P(None, "data"), scales=P())  # scales (8, 48)
+  mu, nu = state_specs[0].mu, state_specs[0].nu
+  assert mu["w"] == RatioBlockwise(P("data"), P(None, "data"))  # scales (1, 64)
+  assert nu["w"] == RootBlockwise(P("data"), P(None, "data"))
+  assert mu["v"] == RatioBlockwise(P(None, "data"), P())  # scales (8, 48)
   assert mu["b"] == P()
   mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   shard = lambda tree, spec: jax.tree.map(
@@ -568,7 +611,8 @@ def test_low_bit_state_composes_like_optax_state(name):
 
 
 def test_convert_state_handles_rmsprop_and_mars():
-  # Their moments convert (nu unsigned; mu and mog signed) and step; Optax's
+  # Their moments convert (nu as its root; MARS's mu as its ratio to it; the
+  # centered mean and the previous gradient as themselves) and step; Optax's
   # trace state (RMSProp's momentum, also SGD's) keeps its storage.
   params = {"w": _params()["w"], "b": _params()["b"]}
   grads = _grads(params, 0)
@@ -581,7 +625,57 @@ def test_convert_state_handles_rmsprop_and_mars():
   for ref, make in cases:
     _, state = ref.update(grads, ref.init(params), params)
     as_int8 = pallasopt.optim.convert_state(state, params, "int8")
-    assert isinstance(as_int8[0].nu["w"], Int8Blockwise)
+    assert isinstance(as_int8[0].nu["w"], RootBlockwise)
     assert jax.tree.structure(pallasopt.optim.convert_state(as_int8, params, None)) == (
         jax.tree.structure(state))
     jax.jit(make("int8").update)(grads, as_int8, params)
+
+
+def _saved_before_2026_11_26(state, params):
+  """An int8 AdamW state as pallasopt stored it before 2026-11-26: both moments as themselves.
+
+  Each moment an `Int8Blockwise`, the second on the unsigned dynamic map,
+  which decodes its small entries to zero (a (48, 256) leaf: a block a row).
+  """
+  def old(x, signed):
+    absmax = np.abs(np.asarray(x)).max(axis=1, keepdims=True)
+    codes = quant.encode(jnp.asarray(np.asarray(x) / absmax), signed)
+    return Int8Blockwise(codes.astype(jnp.uint8), jnp.asarray(absmax.T))
+
+  adam = state[0]
+  mu = {**adam.mu, "w": old(adam.mu["w"], True)}
+  nu = {**adam.nu, "w": old(adam.nu["w"], False)}
+  return (adam._replace(mu=mu, nu=nu), *state[1:])
+
+
+def test_a_state_saved_on_the_old_second_moment_map_converts_or_fails_clearly(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params = {"w": _params()["w"], "b": _params()["b"]}
+  ref = optax.adamw(1e-2)
+  f32 = ref.init(params)
+  for step in range(2):
+    _, f32 = ref.update(_grads(params, step), f32, params)
+  old = _saved_before_2026_11_26(f32, params)
+  tx = pallasopt.optim.adamw(1e-2, state_format="int8")
+  with pytest.raises(ValueError, match=r"Int8Blockwise.*before 2026-11-26.*convert_state"):
+    tx.update(_grads(params, 2), old, params)
+  # Saved, it restores only into its own tree (orbax names the missing path).
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "old", old)
+  checkpointer.wait_until_finished()
+  abstract = jax.eval_shape(tx.init, params)
+  with pytest.raises(ValueError, match="ratio_codes"):
+    checkpointer.restore(tmp_path / "old", abstract)
+  restored = checkpointer.restore(
+      tmp_path / "old", pallasopt.optim.legacy_state_structure(abstract, "int8"))
+  _assert_same(restored, old, "restored")
+  converted = pallasopt.optim.convert_state(restored, params, "int8")
+  assert jax.tree.structure(converted) == jax.tree.structure(abstract)
+  # The converted moments hold what the old codes did (both to nearest).
+  back = pallasopt.optim.convert_state(converted, params, None)[0]
+  want_m = np.asarray(quant.dequantize(old[0].mu["w"]), np.float64)
+  want_v = np.asarray(quant.legacy_second_moment(old[0].nu["w"]), np.float64)
+  assert _pair_error(np.asarray(back.mu["w"]), np.asarray(back.nu["w"]), want_m, want_v).all()
+  jax.jit(tx.update)(_grads(params, 2), converted, params)
+  with pytest.raises(ValueError, match="state_format"):
+    pallasopt.optim.legacy_state_structure(abstract, "bf16")

@@ -17,7 +17,7 @@ import pytest
 import pallasopt
 from helpers import (
     CHIPS, CUSTOM_CALL, ELEMENTWISE_FAMILIES, FAMILY_TREE, MOSAIC_GPU_CALL, STATE_FORMATS,
-    assert_close, auto_kernels, lowered_text, sds,
+    assert_close, auto_kernels, blockwise_adam_moments, lowered_text, sds,
 )
 from pallasopt import kernels
 from pallasopt.kernels import _by_target, _dispatch, _elementwise
@@ -26,6 +26,8 @@ from pallasopt.kernels import quant
 from pallasopt.kernels._target import Target
 
 _SCALARS = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
+# Blockwise second moments and ratios round their codes stochastically.
+_KEY = quant.leaf_key(0, 3, 0)
 
 
 def _adamw(impl):
@@ -136,12 +138,11 @@ def test_tpu_auto_takes_the_kernel_where_it_pays(shape, fmt, mode, kernel):
   if fmt is None:
     m = v = x
   else:
-    m = jax.eval_shape(functools.partial(quant.quantize, signed=True, fmt=fmt), x)
-    v = jax.eval_shape(functools.partial(quant.quantize, signed=False, fmt=fmt), x)
+    m, v = jax.eval_shape(functools.partial(blockwise_adam_moments, fmt=fmt), x, x)
   choose = _elementwise.tpu_auto((m, v), mode)
   assert choose(jax.tree.leaves((x, x, m, v)), Target("tpu")) == ("pallas" if kernel else "xla")
   fn = adamw_k.adamw_apply if mode == "apply" else adamw_k.adamw_updates
-  text = lowered_text(functools.partial(fn, impl="auto"), ["tpu"], x, x, m, v, _SCALARS)
+  text = lowered_text(functools.partial(fn, impl="auto"), ["tpu"], x, x, m, v, _SCALARS, _KEY)
   assert _kernels(text)["tpu"] == int(kernel)
 
 
@@ -150,8 +151,7 @@ def test_tpu_auto_takes_the_kernel_where_it_pays(shape, fmt, mode, kernel):
 
 def _int8_or_fp8_adamw(fmt, impl):
   def step(p, g, m, v, s):
-    return adamw_k.adamw_apply(p, g, quant.quantize(m, signed=True, fmt=fmt),
-                               quant.quantize(v, signed=False, fmt=fmt), s, impl=impl)
+    return adamw_k.adamw_apply(p, g, *blockwise_adam_moments(m, v, fmt), s, _KEY, impl=impl)
   return step
 
 
@@ -412,4 +412,4 @@ def test_every_elementwise_family_and_format_exports_the_chips_kernels(family, f
   fused = functools.partial(pallasopt.optim.apply_gradients, tx)
   platform = CHIPS[chip][1]
   counts = _kernels(lowered_text(fused, platform, FAMILY_TREE, FAMILY_TREE, state, chip=chip))
-  assert counts["tpu"] + counts["triton"] == auto_kernels(fmt, chip)
+  assert counts["tpu"] + counts["triton"] == auto_kernels(fmt, chip, family=family)

@@ -30,7 +30,8 @@ from helpers import (
     tolerance,
 )
 from pallasopt.kernels import mars as mars_k
-from pallasopt.optim import Int8Blockwise
+from pallasopt.kernels import quant
+from pallasopt.optim import Int8Blockwise, RatioBlockwise, RootBlockwise
 from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
 
 _RECORDED = json.loads((pathlib.Path(__file__).parent / "data" / "eformer_mars.json").read_text())
@@ -128,7 +129,7 @@ def test_low_bit_state(fmt):
     states[impl] = s
   # The interpreter's body and XLA's fused reference are compiled apart: the
   # f32 moments may differ by an ulp before they are stored (helpers).
-  blockwise = lambda x: isinstance(x, Int8Blockwise)
+  blockwise = quant.is_blockwise
   for a, b in zip(jax.tree.leaves(states["interpret"], is_leaf=blockwise),
                   jax.tree.leaves(states["xla"], is_leaf=blockwise)):
     if blockwise(a):
@@ -137,9 +138,11 @@ def test_low_bit_state(fmt):
       assert_close(a, b, 2**-8 if a.dtype == jnp.bfloat16 else 4 * 2**-24)
   state = states["xla"][0]
   assert isinstance(state, ScaleByMarsState)
-  for tree in (state.mu, state.nu, state.mog):
+  # mu as its ratio to nu's root, nu as its root, the previous gradient as itself.
+  kinds = (RatioBlockwise, RootBlockwise, Int8Blockwise)
+  for tree, kind in zip((state.mu, state.nu, state.mog), kinds):
     if fmt == "int8":
-      assert isinstance(tree["w"], Int8Blockwise) and tree["b"].dtype == jnp.float32
+      assert isinstance(tree["w"], kind) and tree["b"].dtype == jnp.float32
     else:
       assert tree["w"].dtype == tree["b"].dtype == jnp.bfloat16
 

@@ -79,18 +79,16 @@ def _block_absmax(x: np.ndarray) -> np.ndarray:
 
 @given(
     shape=st.sampled_from([(1,), (7,), (256,), (257,), (3, 300), (2, 3, 128), (5000,)]),
-    signed=st.booleans(),
     seed=st.integers(0, 2**16),
     log_scale=st.floats(-8, 4),
 )
-def test_blockwise_error_is_within_the_map_bound(shape, signed, seed, log_scale):
+def test_blockwise_error_is_within_the_map_bound(shape, seed, log_scale):
   # Each element is off by at most half the map gap around x / absmax,
   # times its block's absmax (plus f32 rounding of the product).
+  signed = True
   rng = np.random.default_rng(seed)
   x = rng.standard_normal(shape).astype(np.float32) * np.float32(10.0**log_scale)
-  if not signed:
-    x = np.abs(x)
-  q = quant.quantize(jnp.asarray(x), signed=signed)
+  q = quant.quantize(jnp.asarray(x))
   assert q.codes.shape == shape and q.codes.dtype == jnp.uint8
   assert q.scales.shape == quant.scales_shape(shape) and q.scales.dtype == jnp.float32
   absmax = _block_absmax(x)
@@ -102,7 +100,7 @@ def test_blockwise_error_is_within_the_map_bound(shape, signed, seed, log_scale)
   table = quant.map_values(signed)
   normalised = np.where(block_absmax > 0, x.ravel() / np.where(block_absmax > 0, block_absmax, 1), 0)
   bound = _nearest_error(normalised, table) * block_absmax + 2**-23 * block_absmax
-  err = np.abs(np.asarray(quant.dequantize(q, signed=signed)).ravel() - x.ravel())
+  err = np.abs(np.asarray(quant.dequantize(q)).ravel() - x.ravel())
   np.testing.assert_array_less(err, bound + 1e-30)
 
 
@@ -118,23 +116,23 @@ def test_scales_shape_puts_rows_of_whole_blocks_last_and_keeps_the_leading_dims(
 
 def test_scales_saved_in_the_old_layout_convert_or_fail_clearly():
   x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 1024)), jnp.float32)
-  q = quant.quantize(x, signed=True)
+  q = quant.quantize(x)
   # Before 2026-11-25: (rows, blocks per row). Square here, so only the
   # caller can say which layout it holds.
   old = quant.Int8Blockwise(q.codes, jnp.swapaxes(q.scales, -1, -2))
   np.testing.assert_array_equal(quant.from_row_major_scales(old).scales, q.scales)
   wide = quant.Int8Blockwise(jnp.zeros((8, 1024), jnp.uint8), jnp.zeros((8, 4)))
   with pytest.raises(ValueError, match=r"\(8, 4\) do not fit codes of shape \(8, 1024\).*legacy_scales=True"):
-    quant.dequantize(wide, signed=True)
+    quant.dequantize(wide)
   with pytest.raises(ValueError, match=r"expected \(4,\)"):
     quant.from_row_major_scales(quant.Int8Blockwise(jnp.zeros((1024,), jnp.uint8), jnp.zeros((5,))))
 
 
 def test_zero_and_nan_blocks():
   x = jnp.zeros((512,)).at[300].set(jnp.nan)
-  q = quant.quantize(x, signed=True)
+  q = quant.quantize(x)
   assert float(q.scales[0]) == 0.0 and np.isnan(float(q.scales[1]))
-  back = quant.dequantize(q, signed=True)
+  back = quant.dequantize(q)
   assert np.all(np.asarray(back[:256]) == 0) and np.all(np.isnan(np.asarray(back[256:])))
 
 
@@ -188,21 +186,153 @@ def test_stochastic_rounding_keeps_bf16_values_nan_and_inf():
 
 @given(
     shape=st.sampled_from([(256,), (300,), (3, 300), (5000,)]),
-    signed=st.booleans(),
     seed=st.integers(0, 2**16),
     log_scale=st.floats(-8, 4),
 )
-def test_fp8_blockwise_error_is_within_e4m3_rounding(shape, signed, seed, log_scale):
+def test_fp8_blockwise_error_is_within_e4m3_rounding(shape, seed, log_scale):
   # y = 448 x / absmax rounds to e4m3: within half an ulp, 2^-4 |y| for
   # normal values and 2^-10 (half the subnormal step) below 2^-6; back in x,
   # times absmax / 448, plus f32 rounding of the two products.
   rng = np.random.default_rng(seed)
   x = rng.standard_normal(shape).astype(np.float32) * np.float32(10.0**log_scale)
-  if not signed:
-    x = np.abs(x)
-  q = quant.quantize(jnp.asarray(x), signed=signed, fmt="fp8")
+  q = quant.quantize(jnp.asarray(x), fmt="fp8")
   assert isinstance(q, quant.Fp8Blockwise) and q.codes.dtype == jnp.float8_e4m3fn
   absmax = np.repeat(_block_absmax(x), quant.BLOCK)[: x.size]
   bound = np.maximum(2**-4 * np.abs(x.ravel()), 2**-10 * absmax / 448) + 2**-22 * absmax
-  err = np.abs(np.asarray(quant.dequantize(q, signed=signed)).ravel() - x.ravel())
+  err = np.abs(np.asarray(quant.dequantize(q)).ravel() - x.ravel())
   np.testing.assert_array_less(err, bound + 1e-30)
+
+
+# ---- The second moment's root, the ratio, and stochastic codes. ----
+
+_LEAST_ROOT = 2.0**-15 / (31 / 16)  # the root map's least value
+
+
+def test_root_map_is_a_zero_free_unsigned_4_4_float():
+  got = quant.root_map_values()
+  want = np.sort([np.float32(2.0 ** (e - 15) * (1 + f / 16)) * np.float32(16 / 31)
+                  for e in range(16) for f in range(16)]).astype(np.float32)
+  np.testing.assert_array_equal(got, want)
+  assert np.all(np.diff(got) > 0) and got[0] > 0 and abs(got[-1] - 1.0) <= 2**-24
+  # 4 mantissa bits: neighbours are at most 2^-4 apart relative to the smaller.
+  assert np.max(got[1:] / got[:-1]) <= 1 + 2**-4
+
+
+def _rows(x: np.ndarray) -> jax.Array:
+  """One block per row: x's values after a leading absmax of 1 (so x / absmax is x)."""
+  x = np.asarray(x, np.float32).reshape(-1, quant.BLOCK - 1)
+  return jnp.asarray(np.concatenate([np.ones((x.shape[0], 1), np.float32), x], axis=1))
+
+
+def test_root_encode_picks_the_nearest_value_and_floors_at_the_least():
+  table = quant.root_map_values().astype(np.float64)
+  rng = np.random.default_rng(0)
+  x = np.concatenate([
+      rng.uniform(0, 1, 255 * 200), np.logspace(-12, 0, 255 * 20), np.zeros(255),
+      np.resize(np.concatenate([table, (table[1:] + table[:-1]) / 2]), 255 * 4),
+  ]).astype(np.float32)
+  x = x[: x.size // 255 * 255]
+  codes, absmax = jax.jit(quant.encode_rows, static_argnums=1)(_rows(x), "root")
+  codes = np.asarray(codes)[:, 1:].ravel()
+  assert np.all(np.asarray(absmax) == 1) and codes.min() >= 0 and codes.max() <= 255
+  got = table[codes.astype(int)]
+  np.testing.assert_array_less(np.abs(got - x), _nearest_error(np.maximum(x, table[0]), table)
+                               + np.maximum(table[0] - x, 0) + 1e-12)
+  assert np.all(got[x < table[0]] == table[0])  # never below: no zero code
+
+
+@pytest.mark.parametrize("codec,values", [
+    ("dynamic", [0.5 + 1 / 300, -3.1e-3, 2e-7, -0.99]),
+    ("e4m3", [0.5 + 1 / 300, -3.1e-3, 7e-6, 0.9]),
+    ("root", [0.5 + 1 / 300, 3.1e-3, 4e-5, 0.97]),
+])
+def test_stochastic_codes_are_unbiased_and_land_next_to_the_value(codec, values):
+  # n keys: each rounding lands on one of the two codes around x, so the
+  # error has |e| < gap and variance <= gap^2 / 4; the mean of n draws has
+  # standard deviation <= gap / (2 sqrt(n)). Allow 6 of them.
+  n = 4096
+  x = np.repeat(np.asarray(values, np.float32), 255 // len(values) + 1)[:255]
+  rows = _rows(np.tile(x, n))
+  keys = quant.leaf_key(3, jnp.arange(n), 1)[:, None]
+  bits = quant.code_bits(jnp.broadcast_to(keys, rows.shape), rows, 1)
+  # As stored: e4m3 codes are f32 values that storing as float8 rounds (or keeps).
+  stored = lambda c: c.astype(jnp.float8_e4m3fn).astype(jnp.float32) if codec == "e4m3" else c
+  codes, absmax = jax.jit(quant.encode_rows, static_argnums=1)(rows, codec, bits)
+  np.testing.assert_array_equal(stored(codes), codes)  # stochastic codes are on the grid
+  got = np.asarray(quant.decode_rows(codes, absmax, codec))[:, 1:].astype(np.float64)
+  codes, absmax = quant.encode_rows(rows[:1], codec)
+  nearest = np.asarray(quant.decode_rows(stored(codes), absmax, codec))[0, 1:]
+  for value in values:
+    column = got[:, np.flatnonzero(x == np.float32(value))].ravel()
+    neighbours = np.unique(column)
+    assert len(neighbours) <= 2 and np.float32(value) >= neighbours.min() - 1e-12
+    assert np.float32(value) <= neighbours.max() + 1e-12
+    gap = neighbours.max() - neighbours.min()
+    assert abs(column.mean() - np.float32(value)) <= 6 * gap / (2 * np.sqrt(n)) + 1e-7 * abs(value)
+    assert np.isin(nearest[x == np.float32(value)], neighbours).all()
+
+
+def test_the_second_moment_never_decodes_below_its_value_out_of_range_or_to_zero():
+  # v spans 36 decades in a block: its root spans 18, the map 4.8 below the
+  # absmax; below that the root decodes to the least value, never to zero.
+  v = np.concatenate([np.logspace(0, -36, 255), [0.0]]).astype(np.float32)
+  q = quant.quantize(jnp.asarray(v), role=quant.ROOT)
+  assert isinstance(q, quant.RootBlockwise) and q.root_codes.dtype == jnp.uint8
+  got = np.asarray(quant.dequantize(q), np.float64)
+  w = np.sqrt(v.astype(np.float64))
+  in_range = w >= _LEAST_ROOT
+  # Nearest: within half a step (2^-5 of the root, plus f32 rounding), squared.
+  np.testing.assert_array_less(np.abs(np.sqrt(got) - w)[in_range], 2**-5 * w[in_range] + 1e-6 * w[in_range])
+  assert np.all(got > 0)
+  np.testing.assert_allclose(got[~in_range], _LEAST_ROOT**2, rtol=1e-6)
+
+
+@given(seed=st.integers(0, 2**16), log_scale=st.floats(-20, 4), fmt=st.sampled_from(["int8", "fp8"]))
+def test_a_ratio_decodes_with_its_roots(seed, log_scale, fmt):
+  # m is stored as r = m / w and decoded as r' w' (w' the decoded root): with
+  # every code to nearest, r' is within the map's half gap of r (times the
+  # block's absmax of r), so |r' w' - m| <= |r' - r| w' + |r| |w' - w|.
+  rng = np.random.default_rng(seed)
+  shape = (3, 512)
+  v = (rng.standard_normal(shape) ** 2 * 10.0 ** (2 * log_scale)).astype(np.float32)
+  m = (rng.uniform(-1, 1, shape) * np.sqrt(v)).astype(np.float32)
+  w = jnp.sqrt(jnp.asarray(v))
+  root = quant.quantize(jnp.asarray(v), role=quant.ROOT, fmt=fmt)
+  ratio = quant.quantize(jnp.asarray(m), role=quant.RATIO, fmt=fmt, root=w)
+  assert isinstance(ratio, quant.RatioBlockwise)
+  assert ratio.ratio_codes.dtype == (jnp.float8_e4m3fn if fmt == "fp8" else jnp.uint8)
+  w_dec = np.asarray(quant.stored_values(root), np.float64)
+  got = np.asarray(quant.dequantize(ratio, root=jnp.asarray(w_dec, jnp.float32)), np.float64)
+  r = m / np.asarray(w)
+  r_dec = np.asarray(quant.stored_values(ratio), np.float64)
+  r_absmax = np.abs(r).reshape(3, 2, 256).max(-1).repeat(256).reshape(shape)
+  half_gap = (1 + float(quant.map_values(True)[0])) * r_absmax if fmt == "int8" else np.maximum(
+      2**-4 * np.abs(r), 2**-10 * r_absmax / 448)
+  assert np.all(np.abs(r_dec - r) <= half_gap + 2**-21 * r_absmax)
+  bound = np.abs(r_dec - r) * w_dec + np.abs(r) * np.abs(w_dec - np.asarray(w)) + 2**-21 * np.abs(m)
+  np.testing.assert_array_less(np.abs(got - m), bound + 1e-30)
+  with pytest.raises(ValueError, match="root="):
+    quant.dequantize(ratio)
+
+
+def test_legacy_second_moment_reads_the_old_maps():
+  codes = jnp.arange(256, dtype=jnp.uint8)
+  scales = jnp.asarray([2.0], jnp.float32)
+  got = quant.legacy_second_moment(quant.Int8Blockwise(codes, scales))
+  # (Eager and jitted decodes round the map values apart, see the map test.)
+  np.testing.assert_allclose(got, quant.map_values(False) * np.float32(2.0), rtol=60 * 2**-24)
+  assert float(got[0]) == 0.0  # the zero code the root map no longer has
+  fp8 = jnp.asarray(np.linspace(0, 448, 256), jnp.float8_e4m3fn)
+  np.testing.assert_allclose(
+      quant.legacy_second_moment(quant.Fp8Blockwise(fp8, scales)),
+      np.asarray(fp8, np.float32) * (np.float32(2.0) / np.float32(448)), rtol=2**-22)
+
+
+def test_code_bits_hash_the_value_not_its_position():
+  values = jnp.asarray(np.random.default_rng(0).standard_normal(4096), jnp.float32)
+  key = quant.leaf_key(7, 3, 5)
+  bits = np.asarray(quant.code_bits(key, values, 2))
+  order = np.random.default_rng(1).permutation(4096)
+  np.testing.assert_array_equal(np.asarray(quant.code_bits(key, values[order], 2)), bits[order])
+  for other in (quant.code_bits(key, values, 3), quant.code_bits(quant.leaf_key(7, 4, 5), values, 2)):
+    assert np.mean(np.asarray(other) == bits) < 1e-2

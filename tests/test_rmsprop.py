@@ -25,7 +25,7 @@ from helpers import (
     tolerance,
 )
 from pallasopt.kernels import quant, rmsprop as rmsprop_k
-from pallasopt.optim import Int8Blockwise
+from pallasopt.optim import Int8Blockwise, RootBlockwise
 
 
 def _moments(rng, shape, dtype, *, centered, momentum):
@@ -137,7 +137,7 @@ def test_drop_in_equals_optax(config, impl):
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
 def test_low_bit_state(fmt):
-  # nu on the unsigned map, mu and the trace on the signed one; every impl
+  # nu as its root, mu and the trace as themselves; every impl
   # stores the same state, bit for bit (the grads do not depend on the params).
   params = {"w": random_array(np.random.default_rng(0), (48, 256), jnp.float32),
             "b": jnp.ones((64,), jnp.bfloat16)}
@@ -155,7 +155,9 @@ def test_low_bit_state(fmt):
   rms, _, trace = states["xla"]
   assert int(rms.count) == 2  # stochastic rounding keeps a step count
   if fmt == "int8":
-    assert all(isinstance(x["w"], Int8Blockwise) for x in (rms.mu, rms.nu, trace.trace))
+    # nu as its root; the centered mean and the trace as themselves.
+    assert isinstance(rms.nu["w"], RootBlockwise)
+    assert all(isinstance(x["w"], Int8Blockwise) for x in (rms.mu, trace.trace))
     assert rms.nu["b"].dtype == jnp.float32  # under 4096 elements
   else:
     assert all(x[k].dtype == jnp.bfloat16 for x in (rms.mu, rms.nu, trace.trace) for k in "wb")
