@@ -7,6 +7,7 @@ import optax
 from hypothesis import strategies as st
 
 import pallasopt
+from bench.low_bit import digits_mlp  # noqa: F401  (the tests' digits task)
 
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -242,29 +243,6 @@ def blockwise_adam_moments(m, v, fmt: str = "int8", key=None):
   root = quant.quantize(v, role=quant.ROOT, fmt=fmt, key=key, stream=2)
   ratio = quant.quantize(m, role=quant.RATIO, fmt=fmt, root=jnp.sqrt(v), key=key, stream=1)
   return ratio, root
-
-
-def digits_mlp(hidden: int):
-  """scikit-learn's digits (1797 8x8 images, 10 classes) and a 64-hidden-10 tanh MLP.
-
-  Returns ``(init_params, loss)``; ``loss(params)`` is the full-batch mean
-  cross-entropy, computed in f32 whatever the params' dtype.
-  """
-  from sklearn.datasets import load_digits
-
-  digits = load_digits()
-  x = jnp.asarray(digits.data / 16.0, jnp.float32)
-  y = jnp.asarray(digits.target)
-  k1, k2 = jax.random.split(jax.random.key(0))
-  init = {"w1": jax.random.normal(k1, (64, hidden)) / 8, "b1": jnp.zeros(hidden),
-          "w2": jax.random.normal(k2, (hidden, 10)) / np.sqrt(hidden), "b2": jnp.zeros(10)}
-
-  def loss(p):
-    p = jax.tree.map(lambda a: a.astype(jnp.float32), p)
-    logits = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-  return init, loss
 
 
 def frozen_at(got, init, keys):

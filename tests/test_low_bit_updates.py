@@ -20,8 +20,6 @@ reference update seen so far. RMSProp's update :math:`g / \\sqrt v` carries
 the root's factor only.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,59 +27,21 @@ import optax
 import pytest
 
 import pallasopt
-from helpers import digits_mlp
+from bench.low_bit import (
+    LR,
+    SPIKE_PARAMS,
+    digits_run,
+    largest_updates,
+    random_signs,
+    sparse_bursts,
+    spike_gradients,
+    vanishing,
+)
 
-LR = 1e-3
 _ROOT_STEP = 2.0**-4
 _RATIO_GAP = {"int8": 0.9 / 64, "fp8": 2.0**-3}
 _ADAM_BOUND = {fmt: (1 + 0.9 * gap) / (1 - _ROOT_STEP) for fmt, gap in _RATIO_GAP.items()}
 FORMATS = ["int8", "fp8"]
-
-
-def _largest_updates(tx, grads, params):
-  """Per step, the largest |update| / lr of ``tx.update`` over the gradient sequence."""
-  update = jax.jit(tx.update)
-  state, largest = tx.init(params), []
-  for g in grads:
-    u, state = update(g, state, params)
-    largest.append(max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(u)) / LR)
-  return np.asarray(largest)
-
-
-def _magnitudes(low: float, rows: int = 16) -> np.ndarray:
-  """Each 256-element row spans 10^0 .. 10^low (a row is a quantization block)."""
-  return np.repeat(10.0 ** np.linspace(0, low, 256)[None, :], rows, axis=0).astype(np.float32)
-
-
-def _constant(low=-6.0, steps=20):
-  """The issue's spike test: the same gradient every step."""
-  return [{"w": jnp.asarray(_magnitudes(low))}] * steps
-
-
-def _random_signs(steps=50, seed=0):
-  rng = np.random.default_rng(seed)
-  magnitudes = 10.0 ** rng.uniform(-8, 0, (16, 256))
-  return [{"w": jnp.asarray(magnitudes * rng.choice([-1.0, 1.0], (16, 256)), jnp.float32)}
-          for _ in range(steps)]
-
-
-def _vanishing(steps=60):
-  """20 steps of the spike test's gradient, 20 of a thousandth of it, 20 of zeros."""
-  g = _magnitudes(-8)
-  scale = lambda t: 1.0 if t < 20 else (1e-3 if t < 40 else 0.0)
-  return [{"w": jnp.asarray(g * scale(t), jnp.float32)} for t in range(steps)]
-
-
-def _sparse_bursts(steps=60, seed=1):
-  """A tenth of the elements at a time, magnitudes over 10^-8 .. 1, random signs."""
-  rng = np.random.default_rng(seed)
-  base = 10.0 ** rng.uniform(-8, 0, (16, 256))
-  return [{"w": jnp.asarray(base * (rng.random((16, 256)) < 0.1)
-                            * rng.choice([-1.0, 1.0], (16, 256)), jnp.float32)}
-          for _ in range(steps)]
-
-
-_PARAMS = {"w": jnp.zeros((16, 256), jnp.float32)}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -91,19 +51,19 @@ def test_the_spike_test_moves_no_weight_further_than_optax(fmt, low):
   # 10^low in each row (a block), AdamW(1e-3), 20 steps: Optax moves every
   # weight by lr each step. Before 2026-11-26 int8 state moved 1696 of them
   # by more than 2 lr at step 20 (7.0 lr at most), fp8 1920 (8.0 lr).
-  grads = _constant(low)
-  want = _largest_updates(optax.adamw(LR), grads, _PARAMS)
-  got = _largest_updates(pallasopt.optim.adamw(LR, state_format=fmt), grads, _PARAMS)
+  grads = spike_gradients(low)
+  want = largest_updates(optax.adamw(LR), grads, SPIKE_PARAMS)
+  got = largest_updates(pallasopt.optim.adamw(LR, state_format=fmt), grads, SPIKE_PARAMS)
   assert got.max() <= 1.05 * want.max(), (got, want)
   tx = pallasopt.optim.adamw(LR, state_format=fmt)
-  update, state = jax.jit(tx.update), tx.init(_PARAMS)
+  update, state = jax.jit(tx.update), tx.init(SPIKE_PARAMS)
   for g in grads:
-    u, state = update(g, state, _PARAMS)
+    u, state = update(g, state, SPIKE_PARAMS)
   assert int(jnp.sum(jnp.abs(u["w"]) > 2 * LR)) == 0
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("grads", [_random_signs, _vanishing, _sparse_bursts],
+@pytest.mark.parametrize("grads", [random_signs, vanishing, sparse_bursts],
                          ids=["random-signs", "vanishing", "sparse-bursts"])
 @pytest.mark.parametrize("family", ["adamw", "nadamw", "mars"])
 def test_no_step_outgrows_the_reference_by_more_than_the_maps_allow(family, grads, fmt):
@@ -112,38 +72,19 @@ def test_no_step_outgrows_the_reference_by_more_than_the_maps_allow(family, grad
   # transform with f32 state, which the drop-in tests hold to Optax's).
   sequence = grads()
   make = getattr(pallasopt.optim, family)
-  want = np.maximum.accumulate(_largest_updates(make(LR), sequence, _PARAMS))
-  got = _largest_updates(make(LR, state_format=fmt), sequence, _PARAMS)
+  want = np.maximum.accumulate(largest_updates(make(LR), sequence, SPIKE_PARAMS))
+  got = largest_updates(make(LR, state_format=fmt), sequence, SPIKE_PARAMS)
   assert np.all(got <= _ADAM_BOUND[fmt] * want), (got / want).max()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("grads", [_constant, _random_signs, _vanishing],
+@pytest.mark.parametrize("grads", [spike_gradients, random_signs, vanishing],
                          ids=["constant", "random-signs", "vanishing"])
 def test_rmsprop_steps_carry_only_the_roots_error(grads, fmt):
   sequence = grads()
-  want = np.maximum.accumulate(_largest_updates(optax.rmsprop(LR), sequence, _PARAMS))
-  got = _largest_updates(pallasopt.optim.rmsprop(LR, state_format=fmt), sequence, _PARAMS)
+  want = np.maximum.accumulate(largest_updates(optax.rmsprop(LR), sequence, SPIKE_PARAMS))
+  got = largest_updates(pallasopt.optim.rmsprop(LR, state_format=fmt), sequence, SPIKE_PARAMS)
   assert np.all(got <= want / (1 - _ROOT_STEP)), (got / want).max()
-
-
-def _digits_run(tx, steps=300):
-  """scikit-learn's digits, a 64-64-10 tanh MLP, full batch: (final loss, largest |step| of a weight)."""
-  init, loss = digits_mlp(64)
-
-  @jax.jit
-  def step(p, s):
-    new, s = pallasopt.optim.apply_gradients(tx, p, jax.grad(loss)(p), s)
-    moved = jnp.max(jnp.stack([
-        jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
-        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(p))]))
-    return new, s, moved
-
-  p, s, largest = init, tx.init(init), 0.0
-  for _ in range(steps):
-    p, s, moved = step(p, s)
-    largest = max(largest, float(moved))
-  return float(loss(p)), largest
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -152,8 +93,8 @@ def test_digits_steps_and_loss_track_optax(fmt):
   # state): no weight moves more than twice Optax's largest step, and the
   # loss ends within 3% of Optax's. Measured (jax 0.10.2, CPU): Optax 0.1664,
   # largest step 0.0022; before 2026-11-26 int8 moved a weight 0.51 in a step.
-  ref_loss, ref_step = _digits_run(optax.adamw(LR))
-  loss, largest = _digits_run(pallasopt.optim.adamw(LR, state_format=fmt))
+  ref_loss, ref_step = digits_run(optax.adamw(LR))
+  loss, largest = digits_run(pallasopt.optim.adamw(LR, state_format=fmt))
   assert largest <= 2 * ref_step, (largest, ref_step)
   assert abs(loss - ref_loss) <= 0.03 * ref_loss, (loss, ref_loss)
 
@@ -167,11 +108,11 @@ def test_muon_momentum_steps_track_f32_muon(fmt):
   # before 2026-11-26, int8 ended 4.7% off. (At 1e-2, near convergence, the
   # losses are 0.050, 0.054 and 0.056: orthogonalization gives the noise of
   # any stored momentum a full-size step.)
-  grads = _constant()
-  want = _largest_updates(pallasopt.optim.muon(LR), grads, _PARAMS)
-  got = _largest_updates(pallasopt.optim.muon(LR, state_format=fmt), grads, _PARAMS)
+  grads = spike_gradients()
+  want = largest_updates(pallasopt.optim.muon(LR), grads, SPIKE_PARAMS)
+  got = largest_updates(pallasopt.optim.muon(LR, state_format=fmt), grads, SPIKE_PARAMS)
   assert got.max() <= 1.05 * want.max(), (got, want)
-  ref_loss, ref_step = _digits_run(pallasopt.optim.muon(3e-3))
-  loss, largest = _digits_run(pallasopt.optim.muon(3e-3, state_format=fmt))
+  ref_loss, ref_step = digits_run(pallasopt.optim.muon(3e-3))
+  loss, largest = digits_run(pallasopt.optim.muon(3e-3, state_format=fmt))
   assert largest <= 2 * ref_step, (largest, ref_step)
   assert abs(loss - ref_loss) <= 0.03 * ref_loss, (loss, ref_loss)
