@@ -131,7 +131,10 @@ def digits_mlp(hidden: int) -> tuple[dict[str, jax.Array], Callable[[Any], jax.A
 
 
 def digits_run(tx: optax.GradientTransformation, steps: int = 300) -> tuple[float, float]:
-  """Digits with a 64-64-10 MLP (its 64 x 64 layer takes low-bit state): (final loss, largest step of a weight)."""
+  """Digits, a 64-64-10 MLP (its 64 x 64 layer takes low-bit state), ``steps`` full-batch steps.
+
+  Returns the final loss and the largest step any weight took.
+  """
   init, loss = digits_mlp(64)
 
   @jax.jit

@@ -454,7 +454,7 @@ def _moment_dtype(m: Moment) -> jnp.dtype:
 def _rounded_streams(
     p, moments, *, mode: str, state_rounding: str, param_rounding: str, key
 ) -> frozenset[int]:
-  """The positional random streams a step draws: 0 for bf16 params, ``1 + i`` for bf16 moment ``i``."""
+  """The streams a step draws by element index: 0 (bf16 params), ``1 + i`` (bf16 moment ``i``)."""
   check_rounding("state_rounding", state_rounding)
   check_rounding("param_rounding", param_rounding)
   bf16 = jnp.dtype(jnp.bfloat16)
@@ -495,11 +495,14 @@ def _check_blockwise(moments, roles: Sequence[str]) -> None:
     raise ValueError(
         f"blockwise moments need one role per moment; got {len(roles)} for {len(moments)}."
     )
+  ratios = [i for i, (m, r) in enumerate(zip(moments, roles))
+            if quant.is_blockwise(m) and r == quant.RATIO]
+  if ratios and _root_partner(moments, roles) is None:
+    raise ValueError(
+        f"moment {ratios[0]} is a ratio to the second moment's root, which is not blockwise."
+    )
   for i, (m, role) in enumerate(zip(moments, roles, strict=True)):
     if not quant.is_blockwise(m):
-      if role == quant.ROOT and any(
-          quant.is_blockwise(x) and r == quant.RATIO for x, r in zip(moments, roles)):
-        raise ValueError(f"moment {i}: a ratio moment needs its second moment blockwise too.")
       continue
     quant.check_scales(m)
     stored = quant.role_of(m)

@@ -192,6 +192,14 @@ class Fp8Blockwise(NamedTuple):
   scales: jax.Array
 
 
+def _read_as_codes_and_scales(cls: type) -> type:
+  """A blockwise class whose fields are named apart, read as ``codes`` and ``scales`` too."""
+  cls.codes = property(lambda self: self[0], doc="The codes (the first field).")
+  cls.scales = property(lambda self: self[1], doc="The per-block absmax (the second field).")
+  return cls
+
+
+@_read_as_codes_and_scales
 class RootBlockwise(NamedTuple):
   """A second moment stored as its square root on the zero-free root map.
 
@@ -209,15 +217,8 @@ class RootBlockwise(NamedTuple):
   root_codes: jax.Array
   root_scales: jax.Array
 
-  @property
-  def codes(self) -> jax.Array:
-    return self.root_codes
 
-  @property
-  def scales(self) -> jax.Array:
-    return self.root_scales
-
-
+@_read_as_codes_and_scales
 class RatioBlockwise(NamedTuple):
   """A first moment stored as its ratio to its second moment's root.
 
@@ -231,14 +232,6 @@ class RatioBlockwise(NamedTuple):
 
   ratio_codes: jax.Array
   ratio_scales: jax.Array
-
-  @property
-  def codes(self) -> jax.Array:
-    return self.ratio_codes
-
-  @property
-  def scales(self) -> jax.Array:
-    return self.ratio_scales
 
 
 Blockwise = Int8Blockwise | Fp8Blockwise | RootBlockwise | RatioBlockwise

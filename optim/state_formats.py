@@ -161,9 +161,9 @@ def convert_state(
       if _masked(moments[0]):
         return moments
       moments = [current(m) for m in moments]
-      if state_format in quant.FORMATS and all(
-          is_quantized(m) and quant.role_of(m) == r and quant.codec_of(m) == quant.codec(r, state_format)
-          for m, r in zip(moments, roles, strict=True)):
+      stored_so = lambda m, r: is_quantized(m) and quant.role_of(m) == r and (
+          quant.codec_of(m) == quant.codec(r, state_format))
+      if state_format in quant.FORMATS and all(map(stored_so, moments, roles)):
         return tuple(moments)  # already stored so: kept code for code
       values = _leaf_values(moments, roles)
       return stored_leaf_moments(
@@ -186,7 +186,7 @@ def convert_state(
 
 
 def legacy_state_structure(opt_state: optax.OptState, state_format: str) -> optax.OptState:
-  """The tree a ``state_format`` state like ``opt_state`` had when pallasopt saved it before 2026-11-26.
+  """The tree of a ``state_format`` state like ``opt_state`` as saved before 2026-11-26.
 
   Then every blockwise moment was an `Int8Blockwise` (``"int8"``) or
   `Fp8Blockwise` (``"fp8"``) with fields ``codes`` and ``scales``; now

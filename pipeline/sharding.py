@@ -696,8 +696,9 @@ def optimizer_state_specs(
       under ``v_row``/``v_col`` and the last such dim elsewhere;
     - any other leaf (Adafactor's ``(1,)`` placeholders) is replicated;
     - a blockwise moment (``state_format="int8"`` or ``"fp8"``, any
-      `pallasopt.kernels.quant.Blockwise`): its codes take the param's spec, its per-block scales the spec of the
-      param's leading dims they keep (their blocked last axis is whole).
+      `pallasopt.kernels.quant.Blockwise`): its codes take the param's spec,
+      its per-block scales the spec of the param's leading dims they keep
+      (their blocked last axis is whole).
 
   * A subtree holding, for each param, a list or tuple of arrays
     (``psgd_jax.kron``'s ``Qs_preconditioners``: one ``[d, d]`` or ``[d]``

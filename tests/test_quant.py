@@ -282,12 +282,15 @@ def test_the_second_moment_never_decodes_below_its_value_out_of_range_or_to_zero
   w = np.sqrt(v.astype(np.float64))
   in_range = w >= _LEAST_ROOT
   # Nearest: within half a step (2^-5 of the root, plus f32 rounding), squared.
-  np.testing.assert_array_less(np.abs(np.sqrt(got) - w)[in_range], 2**-5 * w[in_range] + 1e-6 * w[in_range])
+  error = np.abs(np.sqrt(got) - w)[in_range]
+  np.testing.assert_array_less(error, (2**-5 + 1e-6) * w[in_range])
   assert np.all(got > 0)
   np.testing.assert_allclose(got[~in_range], _LEAST_ROOT**2, rtol=1e-6)
 
 
-@given(seed=st.integers(0, 2**16), log_scale=st.floats(-20, 4), fmt=st.sampled_from(["int8", "fp8"]))
+@given(
+    seed=st.integers(0, 2**16), log_scale=st.floats(-20, 4), fmt=st.sampled_from(["int8", "fp8"])
+)
 def test_a_ratio_decodes_with_its_roots(seed, log_scale, fmt):
   # m is stored as r = m / w and decoded as r' w' (w' the decoded root): with
   # every code to nearest, r' is within the map's half gap of r (times the
@@ -334,5 +337,6 @@ def test_code_bits_hash_the_value_not_its_position():
   bits = np.asarray(quant.code_bits(key, values, 2))
   order = np.random.default_rng(1).permutation(4096)
   np.testing.assert_array_equal(np.asarray(quant.code_bits(key, values[order], 2)), bits[order])
-  for other in (quant.code_bits(key, values, 3), quant.code_bits(quant.leaf_key(7, 4, 5), values, 2)):
+  others = (quant.code_bits(key, values, 3), quant.code_bits(quant.leaf_key(7, 4, 5), values, 2))
+  for other in others:
     assert np.mean(np.asarray(other) == bits) < 1e-2
