@@ -202,14 +202,14 @@ def momentum_rounding(
 
   The momentum's stream (1) of leaf ``leaf`` at step ``count``, as the
   fused kernels draw it for their first moment: ``bits`` (by element index)
-  for bf16, ``key`` (`quant.code_bits` hash the values) for blockwise
-  codes; nothing (to nearest) otherwise.
+  for bf16, the step's ``key`` (`quant.code_bits` hash the values) for
+  blockwise codes; nothing (to nearest) otherwise.
   """
   if state_format == "bf16":
     key = quant.leaf_key(seed, count, leaf)
     return {"bits": quant.random_bits(key, quant.element_index(shape), 1)}
   if state_format in quant.FORMATS:
-    return {"key": quant.leaf_key(seed, count, leaf), "stream": 1}
+    return {"key": quant.step_key(seed, count), "stream": 1}
   return {}
 
 
@@ -323,7 +323,9 @@ def fused_leaf_steps(
   are float32 or bfloat16 or its state is low-bit (which then needs such
   grads), else ``optax_fallback(p, g, moments, decay)`` (Optax's math in the
   leaf's dtypes, on grads already scaled by ``grad_scale``). The random key of
-  leaf ``i`` is ``quant.leaf_key(seed, count, i)``.
+  leaf ``i`` is ``quant.leaf_key(seed, count, i)`` where something rounds by
+  element index (bf16 moments or params), else the step's
+  ``quant.step_key(seed, count)`` (blockwise codes hash their values).
 
   Args:
     owner: the public name, for messages.
@@ -352,7 +354,11 @@ def fused_leaf_steps(
       options = {"state_rounding": state_rounding}
       if mode == "apply":
         options["param_rounding"] = param_rounding
-      key = quant.leaf_key(seed, count, index) if rounds else None
+      by_index = state_format == "bf16" or (
+          mode == "apply" and param_rounding == "stochastic"
+          and jnp.result_type(p) == jnp.bfloat16)
+      key = None if not rounds else (
+          quant.leaf_key(seed, count, index) if by_index else quant.step_key(seed, count))
       return kernel(p, g, *ms, scalars(decay), key, decay=bool(decay), impl=impl, **options)
     if grad_scale is not None:
       g = (g * grad_scale).astype(g.dtype)
