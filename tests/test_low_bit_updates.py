@@ -3,8 +3,10 @@
 A final loss cannot show a low-bit state that decodes its second moment to
 zero: single weights then move hundreds of times further than the learning
 rate allows while the loss looks fine. These tests bound the largest
-per-step update of every low-bit format against the same optimizer with f32
-state (Optax's, or Muon in f32) on the same gradients.
+per-step update of the blockwise formats (and, on the spike test and
+digits, bf16) against the same optimizer with f32 state (Optax's, or Muon in
+f32) on the same gradients. The sequences and the digits task are
+`bench.low_bit`'s, which prints the figures.
 
 The bounds, from the maps (`pallasopt.kernels.quant`). AdamW's update is
 :math:`m / \\sqrt v`; its state keeps the root :math:`w` of :math:`v`
@@ -44,7 +46,7 @@ _ADAM_BOUND = {fmt: (1 + 0.9 * gap) / (1 - _ROOT_STEP) for fmt, gap in _RATIO_GA
 FORMATS = ["int8", "fp8"]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "bf16"])
 @pytest.mark.parametrize("low", [-6.0, -8.0])
 def test_the_spike_test_moves_no_weight_further_than_optax(fmt, low):
   # A 16 x 256 leaf, the same gradient every step, magnitudes over 10^0 ..
@@ -87,7 +89,7 @@ def test_rmsprop_steps_carry_only_the_roots_error(grads, fmt):
   assert np.all(got <= want / (1 - _ROOT_STEP)), (got / want).max()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "bf16"])
 def test_digits_steps_and_loss_track_optax(fmt):
   # 300 AdamW(1e-3) steps on digits (its 64 x 64 first layer holds low-bit
   # state): no weight moves more than twice Optax's largest step, and the
