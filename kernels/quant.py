@@ -42,8 +42,8 @@ of an exponential average with :math:`\beta_2 = 0.999` moves it by 0.1% a
 step, less than half a code, so rounding to nearest freezes it (measured on
 scikit-learn's digits: AdamW's final loss 12% off Optax's, Muon's momentum
 4.7% off Muon's in f32; stochastic: 0.3%). The random bits hash the value
-being rounded with the leaf's key (`code_bits`): no element index, so a step
-sharded any way draws the same bits.
+being rounded with the step's key (`code_bits`, `step_key`): no element
+index, so a step sharded any way draws the same bits.
 
 **The maps.** Codes are arithmetic (compares, affine maps, bit fields): no
 lookup table, no gather, nothing Mosaic or Triton cannot lower.
