@@ -18,12 +18,12 @@ its per-step scalars.
 
 Low-bit state (``state_format``): ``"bf16"`` stores the moments in bfloat16,
 rounded stochastically on every store; ``"int8"`` (``"fp8"``) stores each
-moment of a leaf with at least `quant.MIN_QUANTIZED_SIZE` elements blockwise (`quant`): codes and
-per-block absmax, inside Optax's own state NamedTuple, in place of the
-array, a second moment as its root (`quant.RootBlockwise`), a first moment
-that is divided by it as their ratio (`quant.RatioBlockwise`), others as
-themselves (`quant.Int8Blockwise`, `quant.Fp8Blockwise`); the moments of
-smaller leaves stay f32.
+moment of a leaf with at least `quant.MIN_QUANTIZED_SIZE` elements blockwise
+(`quant`): codes and per-block absmax, inside Optax's own state NamedTuple,
+in place of the array, a second moment as its root (`quant.RootBlockwise`),
+a first moment that is divided by it as their ratio
+(`quant.RatioBlockwise`), others as themselves (`quant.Int8Blockwise`,
+`quant.Fp8Blockwise`); the moments of smaller leaves stay f32.
 Both apply to leaves whose params are float32 or bfloat16; any other leaf
 keeps Optax's state. ``param_rounding="stochastic"`` rounds bf16 params
 stochastically in the fused apply. The random bits hash (``seed``, step,
@@ -67,7 +67,6 @@ __all__ = [
     "stored_leaf_moments",
     "stored_moment_trees",
     "moment_value",
-    "leaf_moment_values",
     "is_quantized",
     "moment_arrays",
     "momentum_rounding",
@@ -162,17 +161,10 @@ def moment_value(moment: Any, *, root: jax.Array | None = None) -> jax.Array:
   """The array a stored moment holds (a blockwise one decoded to f32).
 
   A `quant.RatioBlockwise` needs ``root``: `quant.stored_values` of its
-  second moment (see `leaf_moment_values`).
+  second moment's `quant.RootBlockwise`.
   """
   return quant.dequantize(moment, root=root) if is_quantized(moment) else moment
 
-
-def leaf_moment_values(moments: Sequence[Any], roles: Sequence[str]) -> list[jax.Array]:
-  """The arrays one leaf's stored moments hold, a ratio decoded with its root."""
-  root = None
-  if quant.ROOT in roles and is_quantized(moments[roles.index(quant.ROOT)]):
-    root = quant.stored_values(moments[roles.index(quant.ROOT)])
-  return [moment_value(m, root=root) for m in moments]
 
 # (count, learning_rate, weight_decay, grad_scale) -> the kernel's scalars.
 ScalarsFn = Callable[[jax.Array, Any, Any, Any], tuple]
