@@ -817,7 +817,7 @@ def kernel_update(
     root = None if partner is None else quant.to_stored(new[partner], quant.ROOT)
     for i, (x, q) in enumerate(zip(new, quantized, strict=True)):
       if q:
-        y = quant.to_stored(x, roles[i], root)
+        y = root if i == partner else quant.to_stored(x, roles[i], root)
         outputs.extend(quant.encode_rows(y, codecs[i], quant.code_bits(key_in, y, 1 + i)))
       else:
         outputs.append(rounded(x, 1 + i))

@@ -406,6 +406,19 @@ def encode(x, signed: bool, bits=None):
   return j - 1.0
 
 
+def _round_off_mantissa(x, bits, dropped: int):
+  """``x`` (f32) cut to ``23 - dropped`` mantissa bits after adding ``dropped`` random bits.
+
+  Stochastic rounding to that precision: the farther neighbour with
+  probability proportional to the distance (a carry moves the exponent, as
+  rounding up must).
+  """
+  low = (1 << dropped) - 1
+  as_int = jax.lax.bitcast_convert_type(x, jnp.int32)
+  kept = (as_int + (bits & low)) & _i32(~low & 0xFFFFFFFF)
+  return jax.lax.bitcast_convert_type(kept, jnp.float32)
+
+
 def _e4m3_grid(y, bits):
   """``y`` (f32, |y| <= 448) on the e4m3 grid, rounded stochastically with ``bits``.
 
@@ -413,10 +426,7 @@ def _e4m3_grid(y, bits):
   20 dropped ones before truncating. Below 2^-6 the grid is 2^-9 apart.
   """
   a = jnp.abs(y)
-  as_int = jax.lax.bitcast_convert_type(a, jnp.int32)
-  normal = jax.lax.bitcast_convert_type(
-      (as_int + (bits & 0xFFFFF)) & _i32(0xFFF00000), jnp.float32
-  )
+  normal = _round_off_mantissa(a, bits, 20)
   subnormal = jnp.floor(a * np.float32(2.0**9) + _uniform(bits)) * np.float32(2.0**-9)
   rounded = jnp.where(a < np.float32(2.0**-6), subnormal, normal)
   return jnp.where(y < 0, -rounded, rounded)
@@ -751,6 +761,4 @@ def stochastic_round_bf16(x, bits):
   bf16 values, NaN stays NaN, and magnitudes past bf16's largest finite
   value may round to infinity, as rounding up must.
   """
-  as_int = jax.lax.bitcast_convert_type(x, jnp.int32)
-  rounded = (as_int + (bits & 0xFFFF)) & _i32(0xFFFF0000)
-  return jnp.where(jnp.isnan(x), x, jax.lax.bitcast_convert_type(rounded, jnp.float32))
+  return jnp.where(jnp.isnan(x), x, _round_off_mantissa(x, bits, 16))
