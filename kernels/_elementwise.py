@@ -216,13 +216,13 @@ def _kernel(
   jax.lax.fori_loop(0, runs, step, 0)
 
 
-# TPU blocks of a matrix read in place by a blockwise kernel: whole runs of
-# columns (2048, or the whole row where its runs are not a multiple of 8, the
-# scales' second-last dim), and rows in multiples of 128 (the scales' last
-# dim) up to 2^18 elements; rows wider than 2^19 / 128 elements do not fit.
+# TPU blocks of a matrix read in place by a blockwise kernel: runs of 2048
+# columns (8 blocks: the scales' second-last dim tiles by 8), the last one
+# ragged where a row holds no whole number of them (5632 or 32000 columns:
+# its out-of-row lanes are never stored), or the whole row where it is
+# narrower; rows in multiples of 128 (the scales' last dim) up to 2^18 elements.
 _TPU_BLOCKWISE_COLS = 2048
 _TPU_BLOCKWISE_ELEMENTS = 1 << 18
-_TPU_MAX_BLOCKWISE_ELEMENTS = 1 << 19
 # Triton: elements per block of an elementwise kernel (registers), and the
 # warps that share a block. Quantizing to a dynamic map holds more values per
 # element: at 4 warps ptxas gives a blockwise kernel 255 registers and spills
@@ -233,24 +233,20 @@ _TRITON_WARPS = 4
 _TRITON_BLOCKWISE_WARPS = 8
 
 
-def _tpu_blockwise_block(rows: int, cols: int) -> tuple[int, int] | None:
-  runs = cols // quant.BLOCK
-  block_cols = cols if cols <= _TPU_BLOCKWISE_COLS or runs % 8 else _TPU_BLOCKWISE_COLS
+def _tpu_blockwise_block(rows: int, cols: int) -> tuple[int, int]:
+  block_cols = min(cols, _TPU_BLOCKWISE_COLS)
   max_rows = max(LANES, pow2_at_most(_TPU_BLOCKWISE_ELEMENTS // block_cols))
-  block_rows = rows if rows <= max_rows else max_rows
-  if block_rows * block_cols > _TPU_MAX_BLOCKWISE_ELEMENTS:
-    return None
-  return block_rows, block_cols
+  return min(rows, max_rows), block_cols
 
 
 def blocks_in_place(shape: tuple[int, ...]) -> bool:
   """Whether a TPU kernel over blockwise state reads a leaf of ``shape`` as it is.
 
-  True for a matrix whose rows hold whole blocks (`quant.rows_hold_blocks`)
-  and fit a block; otherwise the kernel views the leaf as rows of one block,
-  ``(size // BLOCK, BLOCK)``, a relayout on TPU (free on a GPU).
+  True for a matrix whose rows hold whole blocks (`quant.rows_hold_blocks`);
+  otherwise the kernel views the leaf as rows of one block, ``(size //
+  BLOCK, BLOCK)``, a relayout on TPU (free on a GPU).
   """
-  return quant.rows_hold_blocks(shape) and _tpu_blockwise_block(*shape[-2:]) is not None
+  return quant.rows_hold_blocks(shape)
 
 
 def _plan(shape: tuple[int, ...], backend: str, blockwise: bool) -> tuple[BlockPlan, bool]:
@@ -587,24 +583,25 @@ def tiled_in_place(shape: tuple[int, ...]) -> bool:
   return shape[-1] % LANES == 0 and shape[-2] % 8 == 0
 
 
-def tpu_auto(
-    moments: Sequence[Moment], mode: str
-) -> Callable[[Sequence[jax.Array], Target], str]:
+def tpu_auto(moments: Sequence[Moment]) -> Callable[[Sequence[jax.Array], Target], str]:
   """What ``impl="auto"`` runs on a TPU for an update, given the call's arrays.
 
-  The kernel (``"pallas"``) only where the compiled step moves no more bytes
-  than XLA's (compiled for TPU v5e and v6e from this host, the compile tier):
+  The kernel (``"pallas"``) only where it moves fewer bytes than XLA in the
+  train step users compile (compiled for TPU v5e and v6e from this host:
+  `pallasopt.whole_step`, the compile tier): with blockwise (int8, fp8)
+  moments, on leaves that reach the kernel in place (`tiled_in_place` and
+  `blocks_in_place`) of at least `TPU_MIN_KERNEL_SIZE` elements. XLA cannot
+  fuse the blockwise re-encoding (its codec reads and writes the moments
+  several times), so the kernel wins in every form of the step.
 
-  * in ``"apply"`` mode, on leaves that reach the kernel in place
-    (`tiled_in_place`, and for blockwise moments `blocks_in_place`) of at least
-    `TPU_MIN_KERNEL_SIZE` elements;
-  * in ``"updates"`` mode only with blockwise moments: with plain moments
-    XLA fuses the update with the ``optax.apply_updates`` that follows it
-    into one pass, while the kernel writes the updates and XLA reads them back.
-
-  Elsewhere the XLA reference (``"xla"``). The returned function takes the
-  call's array leaves (the local shards when it runs per shard) and the
-  target, the same on the five TPU generations of the compile tier.
+  With f32 or bf16 moments the XLA reference (``"xla"``): measured alone, an
+  update step moves the same bytes either way (28 B per f32 parameter for
+  AdamW), but in a train step XLA fuses the update into the output fusion
+  of each weight-gradient matmul, so the gradient never reaches HBM, while
+  a kernel (a custom call) needs it written and read back: 8 B more per
+  matrix parameter. The returned function takes the call's array leaves
+  (the local shards when it runs per shard) and the target, the same on the
+  five TPU generations of the compile tier.
   """
   blockwise = any(map(quant.is_blockwise, moments))
 
@@ -613,10 +610,10 @@ def tpu_auto(
     leaf = max(arrays, key=lambda x: math.prod(x.shape))
     shape = tuple(leaf.shape)
     pays = (
-        (mode == "apply" or blockwise)
+        blockwise
         and math.prod(shape) >= TPU_MIN_KERNEL_SIZE
         and tiled_in_place(shape)
-        and (not blockwise or blocks_in_place(shape))
+        and blocks_in_place(shape)
     )
     return "pallas" if pays else "xla"
 
@@ -629,7 +626,6 @@ def update_dispatch(
     impl: str,
     moments: Sequence[Moment],
     *,
-    mode: str,
     roundings: Sequence[str],
 ) -> Callable[..., tuple[Moment, ...]]:
   """`_dispatch.dispatch` of an elementwise update family, with its ``"auto"`` policy.
@@ -639,7 +635,7 @@ def update_dispatch(
   """
   return dispatch(
       reference, kernel, impl, auto_on_cuda=cuda_auto(moments),
-      auto_on_tpu=tpu_auto(moments, mode), elementwise=per_element(roundings),
+      auto_on_tpu=tpu_auto(moments), elementwise=per_element(roundings),
   )
 
 

@@ -208,7 +208,7 @@ def adamw_apply(
       (bf16 params or moments; blockwise moments' codes always).
   """
   fn = update_dispatch(
-      adamw_reference, adamw_kernel, impl, (m, v), mode="apply",
+      adamw_reference, adamw_kernel, impl, (m, v),
       roundings=(state_rounding, param_rounding),
   )
   return fn(
@@ -223,7 +223,7 @@ def adamw_updates(
 ):
   """AdamW in Optax form: returns ``(u, m, v)``; ``p`` may be None without decay."""
   fn = update_dispatch(
-      adamw_reference, adamw_kernel, impl, (m, v), mode="updates",
+      adamw_reference, adamw_kernel, impl, (m, v),
       roundings=(state_rounding,),
   )
   return fn(

@@ -180,7 +180,7 @@ def lion_apply(
     key: the leaf's random key (`quant.leaf_key`) for stochastic rounding.
   """
   fn = update_dispatch(
-      lion_reference, lion_kernel, impl, (m,), mode="apply",
+      lion_reference, lion_kernel, impl, (m,),
       roundings=(state_rounding, param_rounding),
   )
   return fn(
@@ -195,7 +195,7 @@ def lion_updates(
 ):
   """Lion in Optax form: returns ``(u, m)``; ``p`` may be None without decay."""
   fn = update_dispatch(
-      lion_reference, lion_kernel, impl, (m,), mode="updates",
+      lion_reference, lion_kernel, impl, (m,),
       roundings=(state_rounding,),
   )
   return fn(

@@ -170,7 +170,7 @@ def mars_apply(
   """One fused MARS step: returns ``(p + u, mu, nu, g)`` (see `mars_reference`)."""
   moments = (mu, nu, mog)
   fn = update_dispatch(
-      mars_reference, mars_kernel, impl, moments, mode="apply",
+      mars_reference, mars_kernel, impl, moments,
       roundings=(state_rounding, param_rounding),
   )
   return fn(p, g, mu, nu, mog, scalars, key, mode="apply", decay=decay,
@@ -184,7 +184,7 @@ def mars_updates(
   """MARS in Optax form: returns ``(u, mu, nu, g)``; ``p`` is read only with decay."""
   moments = (mu, nu, mog)
   fn = update_dispatch(
-      mars_reference, mars_kernel, impl, moments, mode="updates",
+      mars_reference, mars_kernel, impl, moments,
       roundings=(state_rounding,),
   )
   return fn(p if decay else None, g, mu, nu, mog, scalars, key, mode="updates", decay=decay,

@@ -198,7 +198,7 @@ def rmsprop_kernel(
 
 def _run(p, g, moments, scalars, key, *, mode, impl, rounding, **config):
   fn = update_dispatch(
-      rmsprop_reference, rmsprop_kernel, impl, moments, mode=mode,
+      rmsprop_reference, rmsprop_kernel, impl, moments,
       roundings=tuple(rounding.values()),
   )
   return fn(p, g, tuple(moments), scalars, key, mode=mode, **config, **rounding)

@@ -278,17 +278,19 @@ def auto_kernels(fmt, chip: str, mode: str = "apply", family: str = "adamw") -> 
   """Kernels in one elementwise step of ``family`` on `FAMILY_TREE` under ``"auto"``.
 
   ``mode``: ``"apply"`` (the fused step) or ``"updates"`` (``tx.update`` and
-  ``optax.apply_updates``). A TPU runs the matrix's kernel (the vector is too
-  small to pay), in ``"updates"`` mode only for blockwise moments (XLA fuses
-  the update with the apply otherwise). A CUDA GPU runs Triton only for
-  blockwise moments (XLA fuses f32 and bf16 updates as well), and fp8
+  ``optax.apply_updates``): the same choice. A TPU runs the matrix's kernel
+  (the vector is too small to pay) only for blockwise moments: XLA fuses f32
+  and bf16 updates into the gradient's producer in a train step. A CUDA GPU
+  runs Triton only for blockwise moments (XLA fuses f32 and bf16 updates as
+  well), and fp8
   conversions only from compute capability 8.9 (not on an A100). RMSProp's
   only moment (as `ELEMENTWISE_FAMILIES` builds it: neither centered nor
   with momentum) is its second, whose root is stored as uint8 codes in the
   ``"fp8"`` format too: no fp8 conversion.
   """
+  del mode
   blockwise = fmt in ("int8", "fp8")
   if CHIPS[chip][1] == "tpu":
-    return int(mode == "apply" or blockwise)
+    return int(blockwise)
   float8 = fmt == "fp8" and family != "rmsprop"
   return int(blockwise and not (float8 and chip == "a100"))

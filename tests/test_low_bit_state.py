@@ -28,7 +28,7 @@ from helpers import (
     sds,
     tolerance,
 )
-from pallasopt.kernels import adamw as adamw_k, lion as lion_k, quant
+from pallasopt.kernels import _elementwise, adamw as adamw_k, lion as lion_k, quant
 from pallasopt.optim import Fp8Blockwise, Int8Blockwise, RatioBlockwise, RootBlockwise
 from pallasopt.pipeline.sharding import optimizer_state_specs
 
@@ -167,6 +167,26 @@ def test_kernel_state_equals_reference_bit_for_bit(
     moments = want[1:]
     if mode == "apply":
       p = want[0]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("shape", [(9, 2304), (3, 5632)], ids=str)
+def test_wide_rows_run_in_place_with_a_ragged_last_block(shape, fmt):
+  # Rows of 9 and 22 blocks: the TPU kernel reads them in place in runs of 8
+  # blocks, the last run cut by the row's end (kernels._elementwise), as the
+  # reference computes them.
+  assert _elementwise.blocks_in_place(shape)
+  rng = np.random.default_rng(7)
+  p, g = random_array(rng, shape, jnp.float32), random_array(rng, shape, jnp.float32)
+  moments = _state(rng, shape, fmt, 2)
+  scalars = adamw_k.adamw_scalars(2, 3e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
+  config = dict(mode="apply", decay=True, nesterov=False)
+  key = quant.step_key(0, 2)
+  want = jax.jit(functools.partial(adamw_k.adamw_reference, **config))(p, g, *moments, scalars, key)
+  got = jax.jit(functools.partial(adamw_k.adamw_kernel, **config, backend="tpu", interpret=True))(
+      p, g, *moments, scalars, key)
+  assert_close(got[0], want[0], tolerance(got[0].dtype), operands=(p,))
+  _assert_same(got[1:], want[1:], "ragged wide rows")
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
