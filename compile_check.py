@@ -630,11 +630,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--target", required=True, choices=list(TARGETS))
   parser.add_argument("--optimizer", default="adamw", help="a pallasopt.optim transform, e.g. adamw, lion, muon")
   parser.add_argument("--kwargs", default='{"learning_rate": 1e-3}', help="its arguments, as JSON")
-  parser.add_argument("--shapes", required=True, help="the params: name=AxB items, comma-separated")
+  parser.add_argument("--shapes", help="the params: name=AxB items, comma-separated")
+  parser.add_argument("--model", help="instead of --shapes, a whole train step of a decoder of "
+                      "pallasopt.whole_step.DECODERS (e.g. gpt2-small, llama-1b-2l)")
   parser.add_argument("--dtype", default="f32", choices=list(_DTYPES))
-  parser.add_argument("--mode", default="fused", choices=["fused", "update"],
-                      help="pallasopt.optim.apply_gradients, or tx.update + optax.apply_updates")
+  parser.add_argument("--mode", default="fused", choices=["fused", "update", "clip", "accumulate"],
+                      help="pallasopt.optim.apply_gradients, or tx.update + optax.apply_updates; "
+                      "with --model also a clip_by_global_norm chain or optax.MultiSteps")
   args = parser.parse_args(argv)
+  if (args.shapes is None) == (args.model is None):
+    parser.error("give one of --shapes and --model")
+  if args.shapes is not None and args.mode not in ("fused", "update"):
+    parser.error(f"--mode {args.mode} needs --model (a whole train step)")
   why = missing(args.target)
   if why is not None:
     print(f"cannot compile for {args.target}: {why}", file=sys.stderr)
@@ -648,8 +655,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not callable(make):
     print(f"--optimizer: pallasopt.optim has no transform {args.optimizer!r}", file=sys.stderr)
     return 2
-  tree = _parse_shapes(args.shapes, _DTYPES[args.dtype])
   tx = make(**json.loads(args.kwargs))
+  if args.model is not None:
+    return _whole_step_report(tx, args)
+  tree = _parse_shapes(args.shapes, _DTYPES[args.dtype])
   fused = args.mode == "fused"
   params = sum(math.prod(x.shape) for x in tree.values())
   compiled, kernels = _compiled_step(tx, tree, args.target, fused, compile_with_resources)
@@ -673,6 +682,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     count = sum(compiled_kernels(_compiled_step(tx, leaf, args.target, fused, compile_for)).values())
     what = f"{count} kernel(s)" if count else "XLA"
     print(f"    {shape_dtype[0]} {shape_dtype[1]}: {what}")
+  return 0
+
+
+def _whole_step_report(tx, args) -> int:
+  """Prints what one whole train step of ``--model`` moves against Optax's AdamW in the same form."""
+  import jax
+  import optax
+
+  from pallasopt import whole_step
+
+  model = whole_step.DECODERS.get(args.model)
+  if model is None:
+    print(f"--model: one of {', '.join(whole_step.DECODERS)}; got {args.model!r}", file=sys.stderr)
+    return 2
+  params = sum(math.prod(x.shape) for x in jax.tree.leaves(whole_step.param_shapes(model)))
+  ours, peak = whole_step.measure(model, tx, args.target, args.mode)
+  theirs, optax_peak = whole_step.measure(model, optax.adamw(1e-3), args.target, args.mode)
+  print(f"{args.optimizer} {args.kwargs} on {args.target}: one {args.model} train step "
+        f"({params:,} params, batch 4 x 512), {args.mode} form")
+  print(f"  Pallas kernels: {ours.kernels}")
+  print(f"  HBM bytes per param: {ours.hbm_bytes / params:.2f} (optax.adamw: "
+        f"{theirs.hbm_bytes / params:.2f}, {ours.hbm_bytes / theirs.hbm_bytes:.3f}x)")
+  print(f"  peak memory: {peak / 2**20:.0f} MiB (optax.adamw: {optax_peak / 2**20:.0f} MiB, "
+        f"{peak / optax_peak:.3f}x)")
+  extra = (sum(b for _, b in relayouts_at_least(ours, 1 << 20))
+           - sum(b for _, b in relayouts_at_least(theirs, 1 << 20)))
+  print(f"  relayouts of 1 MiB or more beyond Optax's step: {extra / 2**20:.1f} MiB")
   return 0
 
 

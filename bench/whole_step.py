@@ -1,0 +1,156 @@
+"""``python -m bench.whole_step``: what a whole train step moves, compiled for real targets.
+
+  python -m bench.whole_step --target v5e --model gpt2-small \\
+      --json bench/results/compiled/whole-step-v5e.json --plot whole-step-v5e.png
+
+Compiles, for a compile-only TPU or GPU target from this host
+(`pallasopt.compile_check`, the ``aot`` extra, ``JAX_PLATFORMS=cpu``), one
+train step of a plain-JAX decoder (`pallasopt.whole_step`: loss,
+``jax.value_and_grad``, the optimizer; params and state donated; batch 4 x
+512, f32 params, bf16 matmuls) in each form users write it (update + apply,
+fused ``apply_gradients``, a ``clip_by_global_norm`` chain, ``MultiSteps``),
+for Optax's optimizer (the family's XLA reference where Optax has none) and
+pallasopt's under ``impl="auto"`` with f32 and int8 state, and prints per
+parameter the HBM bytes the compiled module moves and its peak memory, each
+against the baseline in the same form. ``--json`` writes the rows (the
+compile tier asserts the issue's bounds on a subset: tests/test_aot_whole_step.py);
+``--plot`` draws them. Compiles take ~30 s each for a TPU on a 2-core host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+
+# family: (pallasopt factory kwargs, Optax's counterpart or None, state formats)
+_SCHEDULE = dict(init_value=0.0, peak_value=1e-3, warmup_steps=100, decay_steps=10_000)
+FAMILIES = {
+    "adamw": ({"weight_decay": 0.1}, "adamw", (None, "int8")),
+    "lion": ({"weight_decay": 0.1}, "lion", (None, "int8")),
+    "rmsprop": ({}, "rmsprop", (None, "int8")),
+    "mars": ({"weight_decay": 0.1}, None, (None, "int8")),
+    "adafactor": ({}, "adafactor", (None,)),
+    "muon": ({}, "contrib.muon", (None,)),
+    "kron": ({}, None, (None,)),
+}
+
+
+def _transforms(family: str) -> list[tuple[str, object]]:
+  """``(case, transform)``: the baseline first, then pallasopt's under ``"auto"``."""
+  import optax
+
+  from pallasopt import optim
+
+  kwargs, optax_name, formats = FAMILIES[family]
+  lr = optax.warmup_cosine_decay_schedule(**_SCHEDULE)
+  ours = getattr(optim, family)
+  if optax_name is None:
+    baseline = (f"{family} xla", ours(lr, impl="xla", **kwargs))
+  else:
+    make = functools.reduce(getattr, optax_name.split("."), optax)
+    baseline = (f"optax.{optax_name}", make(lr, **kwargs))
+  cases = [baseline]
+  for fmt in formats:
+    extra = {} if fmt is None else {"state_format": fmt}
+    cases.append((f"auto {fmt or 'f32'}", ours(lr, **kwargs, **extra)))
+  return cases
+
+
+def measure(target: str, model: str, family: str = "adamw", forms=None) -> list[dict]:
+  """One row per form and case of ``family`` on ``model`` for ``target``.
+
+  Each row holds the HBM bytes per parameter, the peak memory, the kernels,
+  and their ratios against the baseline's step in the same form; the
+  relayouts of 1 MiB or more the step has beyond the baseline's.
+  """
+  import jax
+
+  from pallasopt import whole_step
+
+  decoder = whole_step.DECODERS[model]
+  n = sum(math.prod(x.shape) for x in jax.tree.leaves(whole_step.param_shapes(decoder)))
+  rows = []
+  for form in forms or whole_step.FORMS:
+    baseline = None
+    for case, tx in _transforms(family):
+      traffic, peak = whole_step.measure(decoder, tx, target, form)
+      relayouts = sum(b for _, b in traffic.relayouts if b >= 1 << 20)
+      baseline = baseline or (traffic, peak, relayouts)
+      rows.append(dict(
+          model=model, family=family, form=form, case=case, params=n,
+          baseline=traffic is baseline[0],
+          hbm_per_param=traffic.hbm_bytes / n,
+          hbm_vs_baseline=traffic.hbm_bytes / baseline[0].hbm_bytes,
+          peak_mib=peak / 2**20, peak_vs_baseline=peak / baseline[1],
+          kernels=traffic.kernels, extra_relayout_mib=(relayouts - baseline[2]) / 2**20,
+      ))
+      print(f"{model} {family} {form:10s} {case:22s} {rows[-1]['hbm_per_param']:7.2f} B/param "
+            f"({rows[-1]['hbm_vs_baseline']:.3f}x)  peak {rows[-1]['peak_mib']:6.0f} MiB "
+            f"({rows[-1]['peak_vs_baseline']:.3f}x)  kernels {traffic.kernels:3d}  "
+            f"extra relayouts {rows[-1]['extra_relayout_mib']:.1f} MiB", flush=True)
+  return rows
+
+
+def plot(rows: list[dict], out: str, title: str) -> None:
+  """Bars of each case's bytes and peak memory against its baseline, one panel per model."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  models = sorted({r["model"] for r in rows})
+  fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 0.32 * len(rows) + 2),
+                           squeeze=False)
+  for ax, model in zip(axes[0], models):
+    mine = [r for r in rows if r["model"] == model and not r["baseline"]]
+    labels = [f"{r['family']} {r['form']} {r['case']}" for r in mine]
+    y = range(len(mine))
+    ax.barh([i + 0.2 for i in y], [r["hbm_vs_baseline"] for r in mine], 0.4, label="HBM bytes")
+    ax.barh([i - 0.2 for i in y], [r["peak_vs_baseline"] for r in mine], 0.4, label="peak memory")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.set_xlabel("against the baseline's whole step in the same form (<1: less)")
+    ax.set_title(model)
+    ax.legend(fontsize=8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(out, dpi=110)
+
+
+def main(argv=None) -> None:
+  from pallasopt import whole_step
+
+  parser = argparse.ArgumentParser(prog="python -m bench.whole_step", description=__doc__)
+  parser.add_argument("--target", default="v5e")
+  parser.add_argument("--model", choices=list(whole_step.DECODERS), action="append")
+  parser.add_argument("--family", choices=list(FAMILIES), action="append")
+  parser.add_argument("--form", choices=list(whole_step.FORMS), action="append")
+  parser.add_argument("--json")
+  parser.add_argument("--plot")
+  args = parser.parse_args(argv)
+  from bench.compiled import _provenance
+  from pallasopt import compile_check
+
+  why = compile_check.missing(args.target)
+  if why is not None:
+    sys.exit(f"cannot compile for {args.target}: {why}")
+  rows = []
+  for model in args.model or ["gpt2-small", "llama-1b-2l"]:
+    for family in args.family or ["adamw"]:
+      rows += measure(args.target, model, family, args.form)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"target": args.target, "batch": [4, 512], **_provenance(), "rows": rows},
+                f, indent=1)
+  if args.plot:
+    plot(rows, args.plot, f"whole train step compiled for {args.target} from a CPU host")
+
+
+if __name__ == "__main__":
+  if "jax" not in sys.modules:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  main()
