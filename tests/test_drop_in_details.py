@@ -114,3 +114,34 @@ def test_stochastic_param_rounding_on_the_update_path_is_an_error(name):
   f32 = _params()
   u, _ = tx.update(step_grads(f32, 0), tx.init(f32), f32)
   assert u["w"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("state_format", [None, "int8"], ids=str)
+@pytest.mark.parametrize("name", sorted(_OPTAX_PAIRS))
+def test_apply_gradients_clips_by_global_norm_as_the_optax_chain_does(name, state_format):
+  # The clip factor is applied inside the kernels (interpret mode here): the
+  # step equals optax.chain(clip_by_global_norm, tx) on gradients whose norm
+  # is above the limit (clipped) and below it (untouched).
+  if state_format is not None and name not in ("adamw", "lion"):
+    pytest.skip("int8 state: the elementwise families (AdamW, Lion) suffice here")
+  kwargs = {} if state_format is None else {"state_format": state_format}
+  make = lambda impl: getattr(pallasopt.optim, name)(1e-2, impl=impl, **kwargs)
+  params = {"w": jnp.zeros((64, 256)), "b": jnp.zeros((256,))}
+  params = jax.tree.map(lambda p, q: p + q, params, step_grads(params, 7))
+  ours, chain = make("interpret"), optax.chain(optax.clip_by_global_norm(1.0), make("xla"))
+  got, want = (params, ours.init(params)), (params, chain.init(params))
+  for i, size in enumerate([30.0, 0.5]):
+    grads = step_grads(params, i)
+    grads = jax.tree.map(lambda g: g * size / optax.tree.norm(grads), grads)
+    got = pallasopt.optim.apply_gradients(ours, got[0], grads, got[1], max_grad_norm=1.0)
+    updates, state = chain.update(grads, want[1], want[0])
+    want = (optax.apply_updates(want[0], updates), state)
+    assert_trees_close(got[0], want[0])
+    assert_trees_close(got[1], want[1][1])
+
+
+def test_apply_gradients_names_a_bad_max_grad_norm():
+  tx = pallasopt.optim.adamw(1e-3)
+  params = _params()
+  with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
+    pallasopt.optim.apply_gradients(tx, params, params, tx.init(params), max_grad_norm=0.0)
