@@ -86,8 +86,9 @@ DECODERS: dict[str, Decoder] = {
 #   update: ``tx.update`` then ``optax.apply_updates`` (every Optax loop);
 #   fused: `pallasopt.optim.apply_gradients` (the same for a plain transform);
 #   clip: ``optax.chain(optax.clip_by_global_norm(1.0), tx)``, update form;
+#   clip-fused: the same clip as ``apply_gradients(..., max_grad_norm=1.0)``;
 #   accumulate: ``optax.MultiSteps(tx, every_k_schedule=4)``, update form.
-FORMS = ("update", "fused", "clip", "accumulate")
+FORMS = ("update", "fused", "clip", "clip-fused", "accumulate")
 
 
 def param_shapes(model: Decoder) -> dict[str, Any]:
@@ -204,7 +205,7 @@ def _in_form(tx: optax.GradientTransformation, form: str) -> optax.GradientTrans
     return optax.chain(optax.clip_by_global_norm(1.0), tx)
   if form == "accumulate":
     return optax.MultiSteps(tx, every_k_schedule=4).gradient_transformation()
-  if form in ("update", "fused"):
+  if form in ("update", "fused", "clip-fused"):
     return tx
   raise ValueError(f"form must be one of {', '.join(FORMS)}; got {form!r}.")
 
@@ -227,8 +228,9 @@ def train_step(
 
   def step(params, opt_state, tokens):
     value, grads = jax.value_and_grad(functools.partial(loss, model))(params, tokens)
-    if form == "fused":
-      params, opt_state = optim.apply_gradients(tx, params, grads, opt_state)
+    if form in ("fused", "clip-fused"):
+      clip = 1.0 if form == "clip-fused" else None
+      params, opt_state = optim.apply_gradients(tx, params, grads, opt_state, max_grad_norm=clip)
     else:
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)

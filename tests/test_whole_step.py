@@ -1,0 +1,92 @@
+"""`pallasopt.whole_step`: the decoders train, and every form of the step computes the same step.
+
+The compile tier (tests/test_aot_whole_step.py) compiles these steps for a TPU
+and an H100; here they run on the CPU at toy widths.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pallasopt
+from helpers import assert_trees_close
+from pallasopt import whole_step
+
+_TINY = {
+    "gpt2": whole_step.Decoder("gpt2", 32, 2, 4, 4, 128, 97, n_ctx=16),
+    "llama": whole_step.Decoder("llama", 32, 2, 4, 2, 96, 97),
+}
+
+
+def _init(model, seed=0):
+  keys = iter(jax.random.split(jax.random.key(seed), 64))
+  return jax.tree.map(lambda s: 0.02 * jax.random.normal(next(keys), s.shape, s.dtype),
+                      whole_step.param_shapes(model))
+
+
+def _tokens(model, seed=1):
+  # A sequence the model can learn: each token follows from the last.
+  start = jax.random.randint(jax.random.key(seed), (4, 1), 0, model.vocab)
+  return (start + 3 * jnp.arange(13)) % model.vocab
+
+
+def _run(model, tx, form, steps):
+  step, tx = whole_step.train_step(model, tx, form)
+  params = _init(model)
+  state = tx.init(params)
+  step = jax.jit(step)
+  losses = []
+  for _ in range(steps):
+    params, state, loss = step(params, state, _tokens(model))
+    losses.append(float(loss))
+  return params, losses
+
+
+@pytest.mark.parametrize("family", sorted(_TINY))
+def test_the_decoders_learn(family):
+  _, losses = _run(_TINY[family], optax.adam(1e-2), "update", 30)
+  assert losses[0] == pytest.approx(np.log(_TINY[family].vocab), rel=0.05)
+  assert losses[-1] < 0.6 * losses[0]
+
+
+@pytest.mark.parametrize("family", sorted(_TINY))
+def test_the_fused_form_and_the_fused_clip_compute_the_optax_forms_step(family):
+  model = _TINY[family]
+  tx = lambda: pallasopt.optim.adamw(1e-2, weight_decay=0.1)
+  want, _ = _run(model, tx(), "update", 3)
+  got, _ = _run(model, tx(), "fused", 3)
+  assert_trees_close(got, want)
+  # A limit of 1.0 clips these gradients (their norm is ~3 at the start).
+  want, _ = _run(model, tx(), "clip", 3)
+  got, _ = _run(model, tx(), "clip-fused", 3)
+  assert_trees_close(got, want)
+
+
+def test_accumulation_steps_once_every_four_calls():
+  model = _TINY["llama"]
+  params, _ = _run(model, optax.adam(1e-2), "accumulate", 3)
+  assert_trees_close(params, _init(model))
+  params, _ = _run(model, optax.adam(1e-2), "accumulate", 4)
+  assert not np.allclose(params["head"], _init(model)["head"])
+
+
+def test_unknown_forms_and_families_are_named():
+  with pytest.raises(ValueError, match="form must be one of"):
+    whole_step.train_step(_TINY["gpt2"], optax.adam(1e-3), "scan")
+  with pytest.raises(ValueError, match="family must be 'gpt2' or 'llama'"):
+    whole_step.param_shapes(whole_step.Decoder("t5", 32, 1, 4, 4, 64, 10))
+
+
+def test_peak_bytes_count_donated_buffers_once():
+  model = _TINY["gpt2"]
+  step, tx = whole_step.train_step(model, optax.adam(1e-3), "update")
+  params = whole_step.param_shapes(model)
+  args = (params, jax.eval_shape(tx.init, params), jax.ShapeDtypeStruct((4, 13), jnp.int32))
+  state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[:2]))
+  peak = lambda donate: whole_step.peak_bytes(
+      jax.jit(step, donate_argnums=donate).lower(*args).compile())
+  # Donated, the new params and state reuse the old buffers: the peak drops
+  # (by less than their bytes on a CPU, whose temporaries XLA may also reuse).
+  assert state_bytes <= peak((0, 1)) < peak(())
