@@ -39,7 +39,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -173,7 +173,9 @@ def _default_jaxpr(flat: _Flat, avals) -> tuple[jex_core.ClosedJaxpr, Any]:
   return entry
 
 
-def by_target(default: Callable[..., Any], choose: Choose) -> Callable[..., Any]:
+def by_target(
+    default: Callable[..., Any], choose: Choose, *, narrowable_args: Sequence[int] = ()
+) -> Callable[..., Any]:
   """``default``, with the implementation ``choose(target)`` picks when lowered.
 
   Args:
@@ -183,6 +185,13 @@ def by_target(default: Callable[..., Any], choose: Choose) -> Callable[..., Any]
       arguments and returns its result structure, shapes and dtypes. It is
       called once per lowering and platform; it may raise a ValueError to
       refuse a target (the lowering then fails with that error).
+    narrowable_args: positional arguments whose f32 arrays a chosen function
+      also takes in bfloat16 with the same results (a kernel that reads a
+      gradient either way). Where the lowering shows such an array converted
+      from bfloat16 in the same function (the weight gradient of a bf16
+      matmul), the chosen function reads the bfloat16 array: a Pallas call
+      cannot fuse the conversion, which would write the f32 array to HBM
+      and read it back (4 + 4 bytes per element, against 2).
 
   Returns:
     A function with ``default``'s signature. Array leaves of its arguments
@@ -198,10 +207,23 @@ def by_target(default: Callable[..., Any], choose: Choose) -> Callable[..., Any]
     avals = [jax.typeof(x) for x in operands]
     jaxpr, out_tree = _default_jaxpr(_Flat(default, treedef, static, positions), avals)
     flat = lambda fn: _Flat(fn, treedef, static, positions, out_tree)
-    outs = by_target_p.bind(*operands, jaxpr=jaxpr, choice=_Choice(choose, flat))
+    narrowable = _operands_of(args, narrowable_args, positions)
+    outs = by_target_p.bind(
+        *operands, jaxpr=jaxpr, choice=_Choice(choose, flat), narrowable=narrowable
+    )
     return jax.tree.unflatten(out_tree, outs)
 
   return call
+
+
+def _operands_of(args, which: Sequence[int], positions: tuple[int, ...]) -> tuple[int, ...]:
+  """The indices, among a call's operands, of the array leaves of positional ``args[which]``."""
+  ranges = []
+  for k in which:
+    if k < len(args):
+      start = len(jax.tree.leaves(args[:k]))
+      ranges.append(range(start, start + len(jax.tree.leaves(args[k]))))
+  return tuple(j for j, leaf in enumerate(positions) if any(leaf in r for r in ranges))
 
 
 # ---- The primitive. ----
@@ -211,7 +233,8 @@ by_target_p.multiple_results = True
 
 
 @by_target_p.def_impl
-def _impl(*operands, jaxpr, choice):
+def _impl(*operands, jaxpr, choice, narrowable):
+  del narrowable
   # An eager call: the chip is the operands' device.
   devices = {d for x in operands if hasattr(x, "devices") for d in x.devices()}
   device = next(iter(devices)) if devices else jax.devices()[0]
@@ -224,8 +247,8 @@ def _impl(*operands, jaxpr, choice):
 
 
 @by_target_p.def_abstract_eval
-def _abstract_eval(*avals, jaxpr, choice):
-  del avals, choice
+def _abstract_eval(*avals, jaxpr, choice, narrowable):
+  del avals, choice, narrowable
   return jaxpr.out_avals
 
 
@@ -243,17 +266,37 @@ def _device_of(target: Target) -> Iterator[None]:
     yield
 
 
-def _default_lowering(ctx, *operands, jaxpr, choice):
-  del choice
+def _default_lowering(ctx, *operands, jaxpr, choice, narrowable):
+  del choice, narrowable
   return mlir.lower_fun(jex_core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *operands)
 
 
-def _lowering(ctx, *operands, jaxpr, choice, platform):
+def _narrowed(ctx, operands, narrowable: tuple[int, ...], fn):
+  """``ctx`` and ``operands`` with each narrowable f32 operand read as the bf16 it was converted from.
+
+  Unchanged where no such operand is shown, or where ``fn`` would return
+  other types on the bf16 operands.
+  """
+  narrowed, avals = list(operands), list(ctx.avals_in)
+  for i in narrowable:
+    source = _compat.widened_from_bfloat16(operands[i])
+    if source is not None:
+      narrowed[i], avals[i] = source, avals[i].update(dtype=np.dtype(jax.numpy.bfloat16))
+  if avals == list(ctx.avals_in):
+    return ctx, operands
+  out = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+  if [(o.shape, o.dtype) for o in out] != [(a.shape, a.dtype) for a in ctx.avals_out]:
+    return ctx, operands
+  return ctx.replace(avals_in=avals), narrowed
+
+
+def _lowering(ctx, *operands, jaxpr, choice, narrowable, platform):
   target = lowering_target(ctx, platform, operands)
   fn = choice(target)
   if fn is None:
-    return _default_lowering(ctx, *operands, jaxpr=jaxpr, choice=choice)
+    return _default_lowering(ctx, *operands, jaxpr=jaxpr, choice=choice, narrowable=narrowable)
   with _device_of(target):
+    ctx, operands = _narrowed(ctx, operands, narrowable, fn)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 
@@ -266,19 +309,22 @@ _compat.register_inline_lowering(
 )
 
 
-def _batching(operands, dims, *, jaxpr, choice):
+def _batching(operands, dims, *, jaxpr, choice, narrowable):
   in_axes = tuple(d if isinstance(d, int) else None for d in dims)  # None: not mapped
   batched = jax.vmap(jex_core.jaxpr_as_fun(jaxpr), in_axes=in_axes)
   new_jaxpr = _compat.trace_to_closed_jaxpr(batched, [jax.typeof(x) for x in operands])
-  outs = by_target_p.bind(*operands, jaxpr=new_jaxpr, choice=_Choice(choice, functools.partial(jax.vmap, in_axes=in_axes)))
+  outs = by_target_p.bind(
+      *operands, jaxpr=new_jaxpr, narrowable=narrowable,
+      choice=_Choice(choice, functools.partial(jax.vmap, in_axes=in_axes)),
+  )
   return outs, [0] * len(outs)
 
 
 batching.primitive_batchers[by_target_p] = _batching
 
 
-def _jvp(primals, tangents, *, jaxpr, choice):
-  del choice
+def _jvp(primals, tangents, *, jaxpr, choice, narrowable):
+  del choice, narrowable
   tangents = [ad.instantiate_zeros(t) for t in tangents]
   return jax.jvp(jex_core.jaxpr_as_fun(jaxpr), list(primals), tangents)
 

@@ -219,6 +219,28 @@ def register_inline_lowering(primitive, platform_rules: dict, default_rule) -> N
     mlir.register_lowering(primitive, rule)
 
 
+def widened_from_bfloat16(value):
+  """The bfloat16 value a lowered f32 ``value`` was exactly converted from, or None.
+
+  None unless ``value`` is the result of a ``stablehlo.convert`` in the same
+  function whose operand is a bfloat16 tensor and whose result is f32 (a
+  weight gradient of a bf16 matmul, as ``jax.grad`` returns it for f32
+  params).
+  """
+  if isinstance(value, ir.BlockArgument):
+    return None
+  op = getattr(value.owner, "operation", value.owner)
+  if getattr(op, "name", None) != "stablehlo.convert":
+    return None
+  source = op.operands[0]
+  element = lambda v: str(ir.RankedTensorType(v.type).element_type)  # MLIR's spelling
+  try:
+    widened = element(value) == "f32" and element(source) == "bf16"
+  except (ValueError, TypeError):  # not a ranked tensor
+    return None
+  return source if widened else None
+
+
 def entry_argument_sharding(value) -> str | None:
   """The sharding attribute of a lowered value that is an argument of the module's ``main``.
 

@@ -494,6 +494,7 @@ def dispatch(
     ) = "pallas",
     cuda_requirement: CudaRequirement | None = None,
     elementwise: bool = False,
+    narrowable_args: Sequence[int] = (),
 ) -> Callable[..., object]:
   """Returns the function that runs a kernel family as ``impl`` asks.
 
@@ -514,6 +515,10 @@ def dispatch(
       without it ``"auto"`` runs the reference and ``"pallas"`` raises.
     elementwise: every output element depends only on the same element of
       the array operands, so the kernel may run per shard.
+    narrowable_args: positional arguments the kernel reads in bfloat16 as
+      well as f32, with the same results (`_by_target.by_target`): where the
+      step converts them from bfloat16 (a bf16 matmul's weight gradient),
+      the kernel reads the bfloat16 array.
   """
   if auto_on_cuda not in ("pallas", "xla"):
     raise ValueError(f"auto_on_cuda must be 'pallas' or 'xla'; got {auto_on_cuda!r}.")
@@ -553,6 +558,6 @@ def dispatch(
           kernel, backend=backend, interpret=False
       )
 
-    return by_target(reference, choose)(*args, **kwargs)
+    return by_target(reference, choose, narrowable_args=narrowable_args)(*args, **kwargs)
 
   return _mesh_aware(call, reference, impl, elementwise)

@@ -631,11 +631,14 @@ def update_dispatch(
   """`_dispatch.dispatch` of an elementwise update family, with its ``"auto"`` policy.
 
   `cuda_auto` and `tpu_auto` choose for each target; the update runs per
-  shard under a mesh where it is `per_element`.
+  shard under a mesh where it is `per_element`. The kernel reads the
+  gradient (argument 1) in bfloat16 where the step converts it from
+  bfloat16, as a bf16 matmul's weight gradient is.
   """
   return dispatch(
       reference, kernel, impl, auto_on_cuda=cuda_auto(moments),
       auto_on_tpu=tpu_auto(moments), elementwise=per_element(roundings),
+      narrowable_args=(1,),
   )
 
 

@@ -418,3 +418,43 @@ def test_every_elementwise_family_and_format_exports_the_chips_kernels(family, f
   platform = CHIPS[chip][1]
   counts = _kernels(lowered_text(fused, platform, FAMILY_TREE, FAMILY_TREE, state, chip=chip))
   assert counts["tpu"] + counts["triton"] == auto_kernels(fmt, chip, family=family)
+
+
+# ---- A kernel reads a bf16 matmul's weight gradient before its conversion to f32. ----
+
+
+def _bf16_matmul_step(impl, fmt=None):
+  def step(p, x, m, v):
+    # f32 params, bf16 matmul: jax.grad converts the bf16 weight gradient to f32.
+    g = jax.grad(lambda w: jnp.sum((x @ w.astype(jnp.bfloat16)).astype(jnp.float32) ** 2))(p)
+    if fmt is not None:
+      m, v = blockwise_adam_moments(m, v, fmt)
+    return adamw_k.adamw_apply(p, g, m, v, _SCALARS, _KEY, impl=impl)
+  return step
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_kernels_read_a_bf16_matmul_gradient_before_its_conversion(platform):
+  w, x = sds((256, 1024)), sds((64, 256), jnp.bfloat16)
+  text = lowered_text(_bf16_matmul_step("pallas", "int8"), platform, w, x, w, w)
+  call = next(line for line in text.splitlines() if CUSTOM_CALL[platform] in line)
+  # The gradient reaches the kernel as bf16 (in the kernel's (1, rows, cols) view).
+  assert "x256x1024xbf16>" in call, call[-600:]
+  # Without a conversion in the step (the gradient an argument), it reads f32.
+  plain = lowered_text(_adamw("pallas"), platform, w, w, w, w, _SCALARS)
+  call = next(line for line in plain.splitlines() if CUSTOM_CALL[platform] in line)
+  assert "xbf16>" not in call
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"], ids=str)
+def test_reading_the_bf16_gradient_computes_the_same_step(fmt):
+  rng = np.random.default_rng(3)
+  p = jnp.asarray(rng.standard_normal((256, 1024)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
+  m = jnp.asarray(rng.standard_normal((256, 1024)) * 0.1, jnp.float32)
+  v = jnp.asarray(rng.uniform(size=(256, 1024)) * 0.01, jnp.float32)
+  got = jax.jit(_bf16_matmul_step("interpret", fmt))(p, x, m, v)
+  want = jax.jit(_bf16_matmul_step("xla", fmt))(p, x, m, v)
+  assert_close(got[0], want[0], 2e-6)
+  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+    assert_close(a, b, 0.0) if a.dtype == jnp.float32 else np.testing.assert_array_equal(a, b)
