@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from pallasopt.kernels import quant
 from pallasopt.kernels._elementwise import (
     kernel_update,
+    lr_times_weight_decay,
     reference_update,
     update_dispatch,
 )
@@ -183,6 +184,7 @@ def adamw_kernel(
       mode=mode, decay=decay, backend=backend, interpret=interpret, name="adamw",
       flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1, roles=_ROLES,
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+      decay_rate=lr_times_weight_decay,
   )
 
 

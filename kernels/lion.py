@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from pallasopt.kernels import quant
 from pallasopt.kernels._elementwise import (
     kernel_update,
+    lr_times_weight_decay,
     reference_update,
     update_dispatch,
 )
@@ -159,6 +160,7 @@ def lion_kernel(
       interpret=interpret, name="lion", flops_per_element=FLOPS_PER_ELEMENT,
       roles=(quant.SIGNED,),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+      decay_rate=lr_times_weight_decay,
   )
 
 

@@ -32,6 +32,7 @@ from pallasopt.kernels import quant
 from pallasopt.kernels._elementwise import (
     kernel_update,
     reference_update,
+    scalars_decay_rate,
     update_dispatch,
 )
 
@@ -160,6 +161,7 @@ def mars_kernel(
       interpret=interpret, name="mars", flops_per_element=FLOPS_PER_ELEMENT,
       transcendentals_per_element=1, roles=ROLES, state_rounding=state_rounding,
       param_rounding=param_rounding, key=key,
+      decay_rate=scalars_decay_rate,
   )
 
 

@@ -44,6 +44,7 @@ from pallasopt.kernels import quant
 from pallasopt.kernels._elementwise import (
     kernel_update,
     reference_update,
+    scalars_decay_rate,
     update_dispatch,
 )
 
@@ -193,6 +194,7 @@ def rmsprop_kernel(
       flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1,
       roles=moment_roles(centered=centered, momentum=momentum),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+      decay_rate=scalars_decay_rate,
   )
 
 

@@ -104,7 +104,8 @@ def _pallas_call(fn, *args):
     "mode,dtypes,decay,expected_bytes_per_element",
     [
         ("apply", (jnp.float32,) * 3, True, 20),  # read p,g,m; write p,m
-        ("updates", (jnp.float32,) * 3, True, 20),  # read p,g,m; write u,m
+        # with decay XLA adds -lr wd p outside the kernel, fused with the apply after it
+        ("updates", (jnp.float32,) * 3, True, 16),  # read g,m; write u,m
         ("updates", (jnp.float32,) * 3, False, 16),  # p not read
         ("apply", (jnp.bfloat16,) * 3, True, 10),
         ("apply", (jnp.bfloat16, jnp.bfloat16, jnp.float32), False, 14),  # f32 m
