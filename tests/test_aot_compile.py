@@ -325,7 +325,7 @@ def test_leaf_shapes_compile_the_chosen_kernel(shape, fmt, chip):
       want = 1 if fmt is None or blockwise or math.prod(shape) < 4096 else 0
     elif CHIPS[chip][1] == "tpu":
       arrays = jax.tree.leaves((sds(shape), moments))
-      want = int(_elementwise.tpu_auto(moments, "apply")(arrays, Target("tpu")) == "pallas")
+      want = int(_elementwise.tpu_auto(moments)(arrays, Target("tpu")) == "pallas")
     else:
       want = int(blockwise)
     assert kernels == want, (impl, kernels)
@@ -359,7 +359,8 @@ def _assert_within_bounds(rows):
     row = rows[case]
     assert row["hbm_vs_optax"] <= bound, (case, row)
     assert row["relayouts_1mib"] == [], (case, row)
-    assert row["kernels"] > 0 or case == "update f32", (case, row)
+    # f32 state: XLA (it fuses the update into a train step's gradients).
+    assert (row["kernels"] > 0) == ("int8" in case), (case, row)
     # XLA's own count (cost_analysis) agrees: the kernels' operands stay in
     # HBM (`_compat.kept_in_hbm`; staged through VMEM, GPT-2 small's fused f32
     # step counted 2.6x Optax's). In update mode with int8 state the updates
