@@ -8,7 +8,10 @@ Mosaic for a TPU; Triton, ptxas and Mosaic GPU for an NVIDIA chip), and
 prints what the compiled module does: its Pallas kernels, the HBM bytes it
 moves per parameter against Optax's AdamW compiled the same way, the
 relayouts and collectives XLA put around the kernels, its temporary memory,
-and for each leaf shape whether a kernel or XLA updates it.
+and for each leaf shape whether a kernel or XLA updates it. With ``--model
+llama-1b-2l`` (a decoder of `pallasopt.whole_step.DECODERS`) instead of
+``--shapes`` it compiles a whole train step in the form ``--mode`` names and
+prints its bytes and peak memory against Optax's AdamW in the same form.
 
 It needs the ``aot`` extra (``pip install "pallasopt[aot]"``: libtpu, the
 CUDA plugin and ptxas at the versions the compile tier pins) and must run
@@ -634,9 +637,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--model", help="instead of --shapes, a whole train step of a decoder of "
                       "pallasopt.whole_step.DECODERS (e.g. gpt2-small, llama-1b-2l)")
   parser.add_argument("--dtype", default="f32", choices=list(_DTYPES))
-  parser.add_argument("--mode", default="fused", choices=["fused", "update", "clip", "accumulate"],
+  parser.add_argument("--mode", default="fused",
+                      choices=["fused", "update", "clip", "clip-fused", "accumulate"],
                       help="pallasopt.optim.apply_gradients, or tx.update + optax.apply_updates; "
-                      "with --model also a clip_by_global_norm chain or optax.MultiSteps")
+                      "with --model also a clip_by_global_norm chain, apply_gradients with "
+                      "max_grad_norm, or optax.MultiSteps (pallasopt.whole_step.FORMS)")
   args = parser.parse_args(argv)
   if (args.shapes is None) == (args.model is None):
     parser.error("give one of --shapes and --model")
