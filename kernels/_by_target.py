@@ -24,6 +24,10 @@ The primitive also:
   same function; the tangents are the reference's);
 * caches ``default``'s jaxpr per call signature, so a tree of thousands of
   same-shaped leaves traces it once per shape;
+* hands a chosen function the bfloat16 array an f32 operand was converted
+  from in the same function, for the arguments it names (``narrowable_args``:
+  a bf16 matmul's weight gradient), since a custom call cannot fuse the
+  conversion;
 * is lowered in place, not in a private function shared by equal calls, so
   that where XLA partitions the computation the rule sees which operands are
   arguments of the jitted function, and their shardings (`Target.layouts`).
