@@ -15,6 +15,10 @@ parameter the HBM bytes the compiled module moves and its peak memory, each
 against the baseline in the same form. ``--json`` writes the rows (the
 compile tier asserts the issue's bounds on a subset: tests/test_aot_whole_step.py);
 ``--plot`` draws them. Compiles take ~30 s each for a TPU on a 2-core host.
+
+``--time STEPS`` instead runs the steps on this process's device and times
+them (median of STEPS after a warm-up; `time_steps`): on a GPU the figures a
+user sees (``bench/device.sh step``), on a CPU the XLA paths only.
 """
 
 from __future__ import annotations
@@ -100,6 +104,57 @@ def measure(target: str, model: str, family: str = "adamw", forms=None) -> list[
   return rows
 
 
+def time_steps(
+    model: str, family: str = "adamw", forms=None, steps: int = 10, *,
+    decoder=None, batch: tuple[int, int] = (4, 512),
+) -> list[dict]:
+  """Times each form and case of ``family`` on ``model`` on this process's first device.
+
+  ``decoder``: the `pallasopt.whole_step.Decoder` (default
+  ``DECODERS[model]``). Random params (normal, 0.02) and tokens; each step
+  jitted with params and state donated, compiled and run once, then timed
+  ``steps`` times end to end (``block_until_ready`` on the loss). One row
+  per form and case: the median and fastest milliseconds, and the median
+  against the baseline's in the same form.
+  """
+  import time
+
+  import jax
+
+  from pallasopt import whole_step
+
+  decoder = decoder or whole_step.DECODERS[model]
+  device = jax.devices()[0]
+  tokens = jax.random.randint(jax.random.key(1), (batch[0], batch[1] + 1), 0, decoder.vocab)
+  rows = []
+  for form in forms or whole_step.FORMS:
+    baseline = None
+    for case, tx in _transforms(family):
+      step, tx = whole_step.train_step(decoder, tx, form)
+      shapes = whole_step.param_shapes(decoder)
+      keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(shapes))))
+      params = jax.tree.map(
+          lambda s: 0.02 * jax.random.normal(next(keys), s.shape, s.dtype), shapes)
+      state = tx.init(params)
+      step = jax.jit(step, donate_argnums=(0, 1))
+      params, state, loss = step(params, state, tokens)
+      loss.block_until_ready()
+      times = []
+      for _ in range(steps):
+        start = time.perf_counter()
+        params, state, loss = step(params, state, tokens)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - start)
+      median = sorted(times)[len(times) // 2] * 1e3
+      baseline = baseline or median
+      rows.append(dict(model=model, family=family, form=form, case=case,
+                       device=device.device_kind, median_ms=median, min_ms=min(times) * 1e3,
+                       vs_baseline=median / baseline, loss=float(loss)))
+      print(f"{family} {form:10s} {case:22s} {median:9.2f} ms ({median / baseline:.3f}x) "
+            f"on {device.device_kind}", flush=True)
+  return rows
+
+
 def plot(rows: list[dict], out: str, title: str) -> None:
   """Bars of each case's bytes and peak memory against its baseline, one panel per model."""
   import matplotlib
@@ -136,10 +191,22 @@ def main(argv=None) -> None:
   parser.add_argument("--form", choices=list(whole_step.FORMS), action="append")
   parser.add_argument("--json")
   parser.add_argument("--plot")
+  parser.add_argument("--time", type=int, metavar="STEPS",
+                      help="time STEPS steps of each on this device instead of compiling for --target")
   args = parser.parse_args(argv)
   from bench.compiled import _provenance
   from pallasopt import compile_check
 
+  if args.time:
+    rows = []
+    for model in args.model or ["llama-1b-2l"]:
+      for family in args.family or ["adamw"]:
+        rows += time_steps(model, family, args.form, args.time)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"batch": [4, 512], **_provenance(), "measured_on": rows[0]["device"],
+                   "rows": rows}, f, indent=1)
+    return
   why = compile_check.missing(args.target)
   if why is not None:
     sys.exit(f"cannot compile for {args.target}: {why}")

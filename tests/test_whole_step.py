@@ -90,3 +90,15 @@ def test_peak_bytes_count_donated_buffers_once():
   # Donated, the new params and state reuse the old buffers: the peak drops
   # (by less than their bytes on a CPU, whose temporaries XLA may also reuse).
   assert state_bytes <= peak((0, 1)) < peak(())
+
+
+def test_the_bench_times_each_case_against_its_baseline():
+  from bench import whole_step as bench_whole_step
+
+  rows = bench_whole_step.time_steps(
+      "tiny", "adamw", ["fused"], 2, decoder=_TINY["llama"], batch=(2, 12))
+  assert [r["case"] for r in rows] == ["optax.adamw", "auto f32", "auto int8"]
+  assert rows[0]["vs_baseline"] == 1.0
+  for r in rows:
+    assert 0 < r["min_ms"] <= r["median_ms"] and np.isfinite(r["loss"])
+    assert r["vs_baseline"] == pytest.approx(r["median_ms"] / rows[0]["median_ms"])
