@@ -239,7 +239,7 @@ def test_gpu_kernels_spill_nothing(case, fused, chip):
 # (Explicit axes, in context or in the operands' types), or, where XLA lays
 # the operands out (Auto axes, shardings given to jit only, `with mesh:`), with
 # the sharding the jitted step receives its params and state with, read when
-# lowered.
+# lowered (f32 state under "auto" runs XLA, which partitions it).
 _CONTEXTS = ["jit shardings", "with mesh", "explicit, no mesh", "set_mesh explicit",
              "set_mesh auto"]
 
@@ -292,10 +292,13 @@ def test_every_way_of_sharding_a_step_runs_the_kernel_per_shard(context, impl, f
   aot_targets.require("v5e")
   t = _compile_in_context(context, impl, fmt)
   local_params = 4096 * 4096 // 4
-  assert t.kernels == 1, t
+  # f32 state under "auto" runs XLA, partitioned (the whole-step policy).
+  runs_kernel = not (impl == "auto" and fmt == "f32")
+  assert t.kernels == int(runs_kernel), t
   bound = _CONTEXT_FORMATS[fmt][2]
   assert t.collectives == () and t.hbm_bytes / local_params <= bound, t
-  assert t.xla_bytes / local_params <= bound, t  # cost_analysis() counts per device
+  if runs_kernel:  # cost_analysis() counts per device; XLA's own fusions' VMEM staging twice
+    assert t.xla_bytes / local_params <= bound, t
   assert [r for r in t.relayouts if r[1] >= 1 << 20] == [], t
 
 
