@@ -109,12 +109,17 @@ class ElementwiseFamily:
     return total
 
   def update_kernel_bytes(self, tree: Any, decays: list[bool], mu_dtype=None) -> int:
-    """Bytes the updates-mode kernels move (their cost estimates)."""
+    """Bytes the updates-mode kernels move (their cost estimates).
+
+    A kernel reads the params only for the decay of an update that is not
+    f32: an f32 update leaves its decay term to XLA, fused with the apply.
+    """
     total = 0
     for p, d in zip(jax.tree.leaves(tree), decays, strict=True):
       state = self._state(p, mu_dtype)
       u = updates_dtype(p, p, *state)
-      total += bytes_moved([p, *state] + ([p] if d else []), [u] + [s.dtype for s in state])
+      reads_p = d and u != jnp.float32
+      total += bytes_moved([p, *state] + ([p] if reads_p else []), [u] + [s.dtype for s in state])
     return total
 
   def update_bytes(self, tree: Any, decays: list[bool], mu_dtype=None) -> int:
