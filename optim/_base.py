@@ -104,6 +104,11 @@ def fused_transformation(
   )
 
 
+def _scaled(grads: optax.Updates, scale: Any) -> optax.Updates:
+  """``scale * grads``, each leaf kept in its dtype."""
+  return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+
+
 def chained_transformation(
     scaling: optax.GradientTransformation,
     decay: optax.GradientTransformation | None,
@@ -124,7 +129,7 @@ def chained_transformation(
 
   def step(grads, state, params, mode, grad_scale, learning_rate_now):
     if grad_scale is not None:
-      grads = jax.tree.map(lambda g: (g * grad_scale).astype(g.dtype), grads)
+      grads = _scaled(grads, grad_scale)
     *link_states, lr_state = state
     updates, new_states = grads, []
     for tx, link_state in zip(links, link_states, strict=True):
@@ -192,7 +197,7 @@ def apply_gradients(
   if isinstance(tx, FusedGradientTransformation):
     return tx.apply_gradients(params, grads, opt_state, grad_scale=scale)
   if scale is not None:
-    grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    grads = _scaled(grads, scale)
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state
 
