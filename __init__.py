@@ -12,10 +12,21 @@ Subpackages:
     params and optimizer state.
 """
 
-from pallasopt import kernels
-from pallasopt import optim
-from pallasopt import pipeline
+import importlib
 
 __version__ = "0.1.0"
 
 __all__ = ["kernels", "optim", "pipeline", "__version__"]
+
+
+# The subpackages import JAX, so they load on first use: `python -m
+# pallasopt.compile_check` imports this package first and must still choose
+# JAX's platform before JAX starts.
+def __getattr__(name: str):
+  if name in ("kernels", "optim", "pipeline"):
+    return importlib.import_module(f"pallasopt.{name}")
+  raise AttributeError(f"module 'pallasopt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))

@@ -310,10 +310,8 @@ def _shard_plan(leaf: tuple[int, ...], layout: PartitionSpec, mesh) -> _ShardPla
   shard holds whole blocks. Any other array has no exact split.
   """
   padded = (*layout, *(None,) * (len(leaf) - len(layout)))
-  local = local_shape(leaf, layout, mesh)
-  whole_blocks = quant.rows_hold_blocks(leaf) and local[-1] % quant.BLOCK == 0
-  scales = PartitionSpec(*padded[:-2], padded[-1], padded[-2]) if whole_blocks else None
-  return _ShardPlan(PartitionSpec(*padded), scales, local)
+  scales = quant.scales_spec(leaf, layout, dict(mesh.shape), exact=True)
+  return _ShardPlan(PartitionSpec(*padded), scales, local_shape(leaf, layout, mesh))
 
 
 def _leaf_shape(arrays: Sequence[object]) -> tuple[int, ...]:

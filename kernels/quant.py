@@ -86,6 +86,7 @@ stream number, so one leaf's params and moments round independently.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -114,6 +115,7 @@ __all__ = [
     "codec_of",
     "codec",
     "scales_shape",
+    "scales_spec",
     "rows_hold_blocks",
     "from_row_major_scales",
     "check_scales",
@@ -312,6 +314,58 @@ def scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     if tail % BLOCK == 0:
       return tuple(shape[: k - 1]) + (tail // BLOCK,)
   return (-(-math.prod(shape) // BLOCK),)
+
+
+def scales_spec(
+    shape: tuple[int, ...],
+    spec: jax.sharding.PartitionSpec,
+    axis_sizes: Mapping[str, int] | None,
+    *,
+    exact: bool,
+) -> jax.sharding.PartitionSpec | None:
+  """How the per-block scales of a moment of ``shape`` split when it splits as ``spec``.
+
+  The one rule for the kernels' per-shard layout and the state specs a mesh
+  declares (`pallasopt.pipeline.optimizer_state_specs`): a shard holds the
+  scales of the blocks its codes hold.
+
+  Rows of whole blocks (scales ``(..., blocks per row, rows)``): the leading
+  dims and the rows split like the moment's; the blocks axis splits like its
+  columns where every column shard holds whole blocks, which takes the mesh's
+  ``axis_sizes`` to know, and is whole otherwise. Other layouts (scales
+  ``shape[:k] + (blocks,)``): the ``k`` leading dims split like the moment's
+  and the blocks axis is whole.
+
+  Args:
+    shape: the moment's (its param's) shape.
+    spec: the moment's `PartitionSpec`.
+    axis_sizes: the mesh's axis sizes, or None where no mesh is known.
+    exact: if true, None when a shard's scales would not be those of the
+      blocks its codes hold (columns split mid-block, or dims merged into the
+      blocks axis split): then no shard can encode on its own.
+  """
+  entries = [*spec, *(None,) * (len(shape) - len(spec))]
+  axes_of = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else entry
+  scales = scales_shape(shape)
+  if rows_hold_blocks(shape):
+    column_axes = axes_of(entries[-1])
+    if not column_axes:
+      whole = True
+    elif axis_sizes is None:
+      whole = False
+    else:
+      shards = math.prod(axis_sizes[a] for a in column_axes)
+      whole = shape[-1] % (shards * BLOCK) == 0
+    if exact and not whole:
+      return None
+    return jax.sharding.PartitionSpec(
+        *entries[:-2], entries[-1] if whole else None, entries[-2])
+  leading = len(scales) - 1
+  if tuple(scales[:leading]) != tuple(shape[:leading]):
+    leading = 0
+  if exact and any(axes_of(entry) for entry in entries[leading:]):
+    return None
+  return jax.sharding.PartitionSpec(*entries[:leading], None)
 
 
 def _i32(value: int) -> np.int32:

@@ -31,7 +31,7 @@ blockwise codes) and ``param_rounding="stochastic"`` for bfloat16 params;
 """
 
 from pallasopt.kernels.quant import Fp8Blockwise, Int8Blockwise, RatioBlockwise, RootBlockwise
-from pallasopt.optim._base import FusedGradientTransformation, apply_gradients
+from pallasopt.optim._base import FusedGradientTransformation, FusedUpdate, apply_gradients, fused_update
 from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
 from pallasopt.optim.adamw import adamw, nadamw
 from pallasopt.optim.configs import (
@@ -98,7 +98,9 @@ from pallasopt.optim.stage_local import (
 
 __all__ = [
     "FusedGradientTransformation",
+    "FusedUpdate",
     "apply_gradients",
+    "fused_update",
     "convert_state",
     "legacy_state_structure",
     "Int8Blockwise",

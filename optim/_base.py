@@ -1,5 +1,6 @@
 """The fused-transform type and the `apply_gradients` entry point."""
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,8 @@ from pallasopt.optim._types import ScalarOrSchedule
 
 __all__ = [
     "FusedGradientTransformation",
+    "FusedUpdate",
+    "fused_update",
     "apply_gradients",
     "fused_transformation",
     "chained_transformation",
@@ -19,12 +22,44 @@ __all__ = [
 ApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedUpdate:
+  """An Optax ``update`` function that carries the fused entry points.
+
+  Calling it is calling ``update``. The entry points ride on the update
+  function rather than on the transform so that everything Optax and JAX do
+  to a transform keeps them: ``copy.copy``, ``copy.deepcopy``,
+  ``jax.tree.map(f, tx)``, ``tx._replace(init=...)``, and rebuilding it as a
+  plain ``optax.GradientTransformationExtraArgs(tx.init, tx.update)``.
+
+  Attributes:
+    update: the Optax update function.
+    apply_gradients: ``(params, grads, opt_state, *, grad_scale=None,
+      learning_rate=None) -> (params, opt_state)``.
+    scaled_update: ``(grads, opt_state, params=None, *, grad_scale=None,
+      learning_rate=None) -> (updates, opt_state)``, or None.
+    learning_rate: the transform's learning rate where its entry points take
+      ``decay_link``, else None.
+  """
+
+  update: Callable[..., tuple[optax.Updates, optax.OptState]]
+  apply_gradients: ApplyFn
+  scaled_update: ApplyFn | None = None
+  learning_rate: ScalarOrSchedule | None = None
+
+  def __call__(self, updates, state, params=None, **extra_args):
+    return self.update(updates, state, params, **extra_args)
+
+
 class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
   """An Optax transform that can also apply gradients in one fused pass.
 
-  It *is* a `optax.GradientTransformationExtraArgs`: ``init`` and ``update``
-  keep the Optax contract, so it composes with ``optax.chain``,
-  ``optax.masked``, ``optax.MultiSteps`` and the rest. In addition::
+  It *is* a `optax.GradientTransformationExtraArgs` with Optax's two fields
+  and no others: ``init`` and ``update`` keep the Optax contract, so it
+  composes with ``optax.chain``, ``optax.masked``, ``optax.MultiSteps`` and the
+  rest, and copies, tree maps and ``_replace`` work as on Optax's. Its
+  ``update`` is a `FusedUpdate`, whose entry points the transform shows as
+  attributes::
 
     apply_gradients(params, grads, opt_state, *, grad_scale=None,
                     learning_rate=None) -> (params, opt_state)
@@ -52,22 +87,46 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
   counter equal to the transform's (as in the factory's chain).
   """
 
-  # A NamedTuple subclass cannot add fields without breaking the
-  # ``init, update = tx`` unpacking that optax.chain relies on, so the fused
-  # path is an instance attribute.
-  apply_gradients: ApplyFn
-  scaled_update: ApplyFn | None
-  learning_rate: ScalarOrSchedule | None
+  __slots__ = ()
 
   def __new__(
-      cls, init, update, apply_gradients: ApplyFn, scaled_update: ApplyFn | None = None,
-      learning_rate: ScalarOrSchedule | None = None,
+      cls, init, update, apply_gradients: ApplyFn | None = None,
+      scaled_update: ApplyFn | None = None, learning_rate: ScalarOrSchedule | None = None,
   ):
-    self = super().__new__(cls, init, update)
-    self.apply_gradients = apply_gradients
-    self.scaled_update = scaled_update
-    self.learning_rate = learning_rate
-    return self
+    # Copies and tree maps rebuild the tuple from (init, update) alone: the
+    # entry points are already on ``update`` then.
+    if apply_gradients is not None:
+      update = FusedUpdate(update, apply_gradients, scaled_update, learning_rate)
+    return super().__new__(cls, init, update)
+
+  @property
+  def apply_gradients(self) -> ApplyFn:
+    return _entry_points(self).apply_gradients
+
+  @property
+  def scaled_update(self) -> ApplyFn | None:
+    return _entry_points(self).scaled_update
+
+  @property
+  def learning_rate(self) -> ScalarOrSchedule | None:
+    return _entry_points(self).learning_rate
+
+
+def fused_update(tx: Any) -> FusedUpdate | None:
+  """``tx``'s fused entry points (a `FusedUpdate`), or None for any other transform."""
+  update = getattr(tx, "update", None)
+  return update if isinstance(update, FusedUpdate) else None
+
+
+def _entry_points(tx: FusedGradientTransformation) -> FusedUpdate:
+  entry = fused_update(tx)
+  if entry is None:
+    raise TypeError(
+        f"this FusedGradientTransformation's update is a {type(tx.update).__name__}, not the "
+        "FusedUpdate it was built with (was it replaced?), so it has no fused entry points; "
+        "pallasopt.optim.apply_gradients(tx, ...) runs its update instead."
+    )
+  return entry
 
 
 def fused_transformation(
@@ -169,6 +228,9 @@ def apply_gradients(
       return pallasopt.optim.apply_gradients(tx, params, grads, opt_state)
 
   Without donation the result is the same, and XLA copies the buffers first.
+  The fused path is found on ``tx.update`` (a `FusedUpdate`), so a copy of a
+  pallasopt transform, or one rebuilt as a plain
+  ``optax.GradientTransformationExtraArgs(tx.init, tx.update)``, takes it too.
   For any other transform (e.g. an ``optax.chain``) it falls back to
   ``tx.update`` and ``optax.apply_updates``, so a training loop can always
   call it.
@@ -194,8 +256,9 @@ def apply_gradients(
       raise ValueError(f"apply_gradients: max_grad_norm must be > 0 or None; got {max_grad_norm!r}.")
     norm = optax.tree.norm(grads)
     scale = max_grad_norm / jnp.maximum(norm, max_grad_norm)
-  if isinstance(tx, FusedGradientTransformation):
-    return tx.apply_gradients(params, grads, opt_state, grad_scale=scale)
+  entry = fused_update(tx)
+  if entry is not None:
+    return entry.apply_gradients(params, grads, opt_state, grad_scale=scale)
   if scale is not None:
     grads = _scaled(grads, scale)
   updates, opt_state = tx.update(grads, opt_state, params)

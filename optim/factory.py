@@ -46,7 +46,7 @@ import optax
 
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.optim import _validation as v
-from pallasopt.optim._base import FusedGradientTransformation
+from pallasopt.optim._base import FusedGradientTransformation, fused_update
 from pallasopt.optim._types import MaskOrFn
 from pallasopt.optim.configs import (
     AdafactorConfig,
@@ -148,7 +148,7 @@ class OptimizerBuilder(abc.ABC):
         factory then installs a stage-local path that explains this).
     """
     base = self.build(scheduler)
-    if not isinstance(base, FusedGradientTransformation):
+    if fused_update(base) is None:
       raise NotImplementedError(
           f"{type(self).__name__}.build returned a {type(base).__name__}, which has no fused "
           "apply_gradients; return a pallasopt FusedGradientTransformation or override "

@@ -44,7 +44,7 @@ import optax
 from pallasopt.kernels import quant
 from pallasopt.optim import _validation as v
 from pallasopt.optim import white_kron
-from pallasopt.optim._base import FusedGradientTransformation, advance_schedule
+from pallasopt.optim._base import FusedGradientTransformation, advance_schedule, fused_update
 from pallasopt.optim._types import Numeric
 from pallasopt.optim.scheduled_decay import (
     OptaxScheduledWeightDecayState,
@@ -548,12 +548,13 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
   Args:
     optimizer: the fused optimizer in the chain.
   """
-  if not isinstance(optimizer, FusedGradientTransformation):
+  fused = fused_update(optimizer)
+  if fused is None:
     raise TypeError(
         f"{_OWNER}: fused_stage_local_apply needs a pallasopt FusedGradientTransformation; "
         f"got {type(optimizer).__name__}."
     )
-  wants_layer_index = "layer_index_fn" in inspect.signature(optimizer.apply_gradients).parameters
+  wants_layer_index = "layer_index_fn" in inspect.signature(fused.apply_gradients).parameters
 
   def apply_fn(
       *,
@@ -591,11 +592,11 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
     # The decay link folds into the optimizer's kernels when it scales by the
     # same learning rate (the factory builds both from one schedule); else
     # its updates go through the link before they are applied.
-    folds = bool(metadata.weight_decay) and optimizer.learning_rate is not None and (
-        learning_rate_fn is not None or optimizer.learning_rate is metadata.scheduler
+    folds = bool(metadata.weight_decay) and fused.learning_rate is not None and (
+        learning_rate_fn is not None or fused.learning_rate is metadata.scheduler
     )
     if metadata.weight_decay and not folds:
-      if optimizer.scaled_update is None:
+      if fused.scaled_update is None:
         raise ValueError(
             f"{_OWNER}: metadata.weight_decay={metadata.weight_decay} needs the optimizer's "
             "scaled_update (its updates go through the decay link before they are applied); "
@@ -613,16 +614,16 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
       lr = None if learning_rate_fn is None else learning_rate_fn(_schedule_count(state))
       options = dict(grad_scale=scale, learning_rate=lr, **layer_index)
       if not metadata.weight_decay:
-        new_params, state = optimizer.apply_gradients(params, grads, state, **options)
+        new_params, state = fused.apply_gradients(params, grads, state, **options)
         return new_params, (*clip_state, state)
       if folds:
         link = (metadata.weight_decay, metadata.weight_decay_mask)
-        new_params, state = optimizer.apply_gradients(
+        new_params, state = fused.apply_gradients(
             params, grads, state, decay_link=link, **options
         )
         return new_params, (*clip_state, state, advance_schedule(chain_state[-1]))
       # eFormer's order (and rounding): p + (u + s(t) p).
-      updates, state = optimizer.scaled_update(grads, state, params, **options)
+      updates, state = fused.scaled_update(grads, state, params, **options)
       updates, decay_state = decay_link.update(updates, chain_state[-1], params)
       return optax.apply_updates(params, updates), (*clip_state, state, decay_state)
 

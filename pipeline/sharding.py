@@ -11,7 +11,7 @@ multi-process run::
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
   param_specs = AutoShardingRule(mesh).apply(params)
   state_shapes = jax.eval_shape(tx.init, params)  # allocates nothing
-  state_specs = optimizer_state_specs(state_shapes, params, param_specs)
+  state_specs = optimizer_state_specs(state_shapes, params, param_specs, mesh=mesh)
   analyzer = ShardingAnalyzer(mesh)
   print(analyzer.estimate_memory(params, param_specs, state_shapes, state_specs))
   opt_state = jax.jit(tx.init, out_shardings=named_shardings(mesh, state_specs))(params)
@@ -114,24 +114,13 @@ def _is_state_leaf(node: Any) -> bool:
   return _is_masked(node) or quant.is_blockwise(node)
 
 
-def _blockwise_specs(moment: Any, param_shape, param_spec: PartitionSpec) -> Any:
-  """Codes like the param; scales like its leading dims and its rows, the blocks whole.
-
-  Rows of whole blocks keep their scales as ``(..., blocks per row, rows)``
-  (`quant.scales_shape`): those shard like the param's leading dims and its
-  rows. Other scales merge the param's trailing dims into blocks; whether a
-  shard of them holds whole blocks depends on the mesh, so that axis is never
-  sharded (it is 1/64 of the codes' bytes).
-  """
-  entries = _entries(param_spec, len(param_shape))
-  if quant.rows_hold_blocks(tuple(param_shape)):
-    scales = entries[:-2] + [None, entries[-2]]
-  else:
-    leading = len(moment.scales.shape) - 1
-    if tuple(moment.scales.shape[:leading]) != tuple(param_shape[:leading]):
-      leading = 0
-    scales = entries[:leading]
-  return type(moment)(_make_spec(entries), _make_spec(scales))
+def _blockwise_specs(
+    moment: Any, param_shape, param_spec: PartitionSpec, axis_sizes: Mapping[str, int] | None
+) -> Any:
+  """Codes like the param; scales by `quant.scales_spec`, the kernels' own rule."""
+  scales = quant.scales_spec(tuple(param_shape), param_spec, axis_sizes, exact=False)
+  codes = _make_spec(_entries(param_spec, len(param_shape)))
+  return type(moment)(codes, _make_spec(list(scales)))
 
 
 def _shard_factor(mesh_shape: Mapping[str, int], spec: PartitionSpec) -> int:
@@ -550,6 +539,7 @@ class _Params(NamedTuple):
   paths: list[KeyPath]
   structs: list[jax.ShapeDtypeStruct]
   specs: list[PartitionSpec]
+  axis_sizes: Mapping[str, int] | None
 
 
 def _children(node: Any) -> tuple[list[tuple[KeyPath, Any]], jax.tree_util.PyTreeDef]:
@@ -602,7 +592,7 @@ def _matched_specs(path: KeyPath, node: Any, params: _Params, field: str | None)
       specs.append(leaf)
       continue
     if quant.is_blockwise(leaf):
-      specs.append(_blockwise_specs(leaf, param.shape, spec))
+      specs.append(_blockwise_specs(leaf, param.shape, spec, params.axis_sizes))
       continue
     shape = _as_struct(path + leaf_path, leaf, "opt_state").shape
     derived = _derived_spec(shape, param.shape, spec, field)
@@ -675,6 +665,7 @@ def optimizer_state_specs(
     param_specs: PyTree,
     *,
     factor_rule: FactorRule = replicate_factors,
+    mesh: Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> PyTree:
   """Partition specs for every leaf of an optimizer state.
 
@@ -697,8 +688,11 @@ def optimizer_state_specs(
     - any other leaf (Adafactor's ``(1,)`` placeholders) is replicated;
     - a blockwise moment (``state_format="int8"`` or ``"fp8"``, any
       `pallasopt.kernels.quant.Blockwise`): its codes take the param's spec,
-      its per-block scales the spec of the param's leading dims they keep
-      (their blocked last axis is whole).
+      its per-block scales the split the kernels run them in
+      (`pallasopt.kernels.quant.scales_spec`): like the param's leading dims
+      and rows, and like its columns where each shard of them holds whole
+      blocks of 256, which only the ``mesh`` tells (without one that axis is
+      whole, and a kernel on a column-sharded param gathers its scales).
 
   * A subtree holding, for each param, a list or tuple of arrays
     (``psgd_jax.kron``'s ``Qs_preconditioners``: one ``[d, d]`` or ``[d]``
@@ -718,6 +712,9 @@ def optimizer_state_specs(
     param_specs: a `PartitionSpec` per param, with the structure of `params`.
     factor_rule: the spec of each preconditioner factor, from a `FactorInfo`
       (`replicate_factors` or `shard_factors_like_params`, or your own).
+    mesh: the mesh the specs are for (a `Mesh` or `AbstractMesh`); by default
+      the one set by ``jax.set_mesh`` or ``jax.sharding.use_abstract_mesh``,
+      if any.
 
   Returns:
     A tree with the structure of `state_shapes` and a `PartitionSpec` at each
@@ -735,7 +732,10 @@ def optimizer_state_specs(
           f" got {type(spec).__name__}."
       )
   structs = [_as_struct(path, leaf, "params") for path, leaf in flat]
-  info = _Params(treedef, [path for path, _ in flat], structs, spec_leaves)
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+  axis_sizes = None if mesh.empty else dict(mesh.shape)
+  info = _Params(treedef, [path for path, _ in flat], structs, spec_leaves, axis_sizes)
   return _state_specs((), state_shapes, info, factor_rule, None)
 
 

@@ -93,7 +93,7 @@ class PipelineTrainStep:
   def state_specs(self, params: PyTree) -> PyTree:
     """The specs of ``tx.init(params)``, derived from the param specs; allocates nothing."""
     shapes = jax.eval_shape(self.tx.init, params)
-    return optimizer_state_specs(shapes, params, self.param_specs(params))
+    return optimizer_state_specs(shapes, params, self.param_specs(params), mesh=self.mesh)
 
   def shard_params(self, params: PyTree) -> PyTree:
     """`params` placed on the mesh, each stage's slice on its devices."""
@@ -133,7 +133,7 @@ class PipelineTrainStep:
 
     loss, grads = jax.value_and_grad(loss_of)(params)
     param_specs = self.param_specs(params)
-    state_specs = optimizer_state_specs(opt_state, params, param_specs)
+    state_specs = optimizer_state_specs(opt_state, params, param_specs, mesh=self.mesh)
     update = shard_map(
         self._local_update,
         mesh=self.mesh,

@@ -12,7 +12,10 @@ same kernels as a ``jax.export`` naming that chip.
 
 import functools
 import math
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -255,7 +258,7 @@ _CONTEXT_FORMATS = {
 }
 
 
-def _compile_in_context(context, impl, fmt):
+def _compile_in_context(context, impl, fmt, layout=("data", None)):
   import contextlib
 
   from pallasopt.compile_check import traffic
@@ -266,13 +269,13 @@ def _compile_in_context(context, impl, fmt):
   mesh = jax.sharding.Mesh(aot_targets.devices("v5e")[:4], ("data",), axis_types=(axis_type,))
   named = lambda spec: jax.sharding.NamedSharding(mesh, spec)
   dtype, state_format, _ = _CONTEXT_FORMATS[fmt]
-  rows = {"w": jax.sharding.PartitionSpec("data", None)}
-  params = {"w": jax.ShapeDtypeStruct((4096, 4096), dtype, sharding=named(rows["w"]))}
+  specs = {"w": jax.sharding.PartitionSpec(*layout)}
+  params = {"w": jax.ShapeDtypeStruct((4096, 4096), dtype, sharding=named(specs["w"]))}
   tx = pallasopt.optim.adamw(1e-3, impl=impl, state_format=state_format)
   abstract = jax.eval_shape(tx.init, {"w": sds((4096, 4096), dtype)})
   state = jax.tree.map(
       lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(spec)),
-      abstract, optimizer_state_specs(abstract, params, rows))
+      abstract, optimizer_state_specs(abstract, params, specs, mesh=mesh))
   shardings = jax.tree.map(lambda x: x.sharding, (params, params, state))
   step = jax.jit(_fused(tx), donate_argnums=(0, 2),
                  **({"in_shardings": shardings} if context == "jit shardings" else {}))
@@ -299,6 +302,18 @@ def test_every_way_of_sharding_a_step_runs_the_kernel_per_shard(context, impl, f
   assert t.collectives == () and t.hbm_bytes / local_params <= bound, t
   if runs_kernel:  # cost_analysis() counts per device; XLA's own fusions' VMEM staging twice
     assert t.xla_bytes / local_params <= bound, t
+  assert [r for r in t.relayouts if r[1] >= 1 << 20] == [], t
+
+
+@pytest.mark.parametrize("context", ["jit shardings", "set_mesh explicit"])
+def test_a_column_sharded_int8_state_declared_by_the_state_specs_needs_no_collective(context):
+  # The state specs and the kernels split a column-sharded param's block
+  # scales by one rule (`quant.scales_spec`): each shard encodes its own
+  # blocks, and nothing is gathered or resharded at the kernel's boundary.
+  aot_targets.require("v5e")
+  t = _compile_in_context(context, "auto", "int8", layout=(None, "data"))
+  assert t.kernels == 1 and t.collectives == (), t
+  assert t.hbm_bytes / (4096 * 4096 // 4) <= _CONTEXT_FORMATS["int8"][2], t
   assert [r for r in t.relayouts if r[1] >= 1 << 20] == [], t
 
 
@@ -503,3 +518,17 @@ def test_compile_check_reports_a_config_for_a_target(capsys):
   assert "relayouts of 1 MiB or more: []" in out
   with pytest.raises(SystemExit):
     compile_check.main(["--target", "v9x", "--shapes", "w=8x8"])
+
+
+def test_compile_check_runs_as_documented_with_jax_platforms_unset():
+  # BUILD.md's command, in a fresh process that has not chosen JAX's platform.
+  aot_targets.require("v5e")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  run = subprocess.run(
+      [sys.executable, "-m", "pallasopt.compile_check", "--target", "v5e", "--optimizer", "adamw",
+       "--shapes", "w=1024x1024"],
+      env=env, capture_output=True, text=True, timeout=600, check=False,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "Traceback" not in run.stderr, run.stderr[-3000:]
+  assert "HBM bytes per param: 28.00 (optax.adamw: 28.00)" in run.stdout, run.stdout

@@ -1,6 +1,7 @@
 """What someone switching from Optax meets first: rates of either sign, readable
 signatures, error messages, and stochastic rounding that happens or fails loudly."""
 
+import copy
 import inspect
 
 import jax
@@ -145,3 +146,51 @@ def test_apply_gradients_names_a_bad_max_grad_norm():
   params = _params()
   with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
     pallasopt.optim.apply_gradients(tx, params, params, tx.init(params), max_grad_norm=0.0)
+
+
+_COPIES = {
+    "copy": copy.copy,
+    "deepcopy": copy.deepcopy,
+    "tree_map": lambda tx: jax.tree.map(lambda f: f, tx),
+    "replace": lambda tx: tx._replace(),
+    "plain_optax_type": lambda tx: optax.GradientTransformationExtraArgs(tx.init, tx.update),
+}
+
+
+@pytest.mark.parametrize("name", _DROP_INS)
+def test_copies_keep_the_fused_path(name):
+  # What Optax, Flax and checkpointing code do to a transform must keep its
+  # fused entry points, and each copy's fused step must be the original's.
+  tx = getattr(pallasopt.optim, name)(1e-2)
+  assert isinstance(tx, optax.GradientTransformationExtraArgs)
+  clones = {how: copy_fn(tx) for how, copy_fn in _COPIES.items()}
+  for how, clone in clones.items():
+    assert isinstance(clone, optax.GradientTransformationExtraArgs), how
+    assert pallasopt.optim.fused_update(clone) is not None, how
+  params = _params()
+  grads = step_grads(params, 0)
+  state = tx.init(params)
+
+  @jax.jit
+  def steps(params, grads, state):
+    want = tx.apply_gradients(params, grads, state)
+    return want, {how: pallasopt.optim.apply_gradients(clone, params, grads, state)
+                  for how, clone in clones.items()}
+
+  want, got = steps(params, grads, state)
+  for how, result in got.items():
+    for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=how)
+
+
+def test_a_replaced_update_drops_the_fused_path_loudly():
+  tx = pallasopt.optim.adamw(1e-2)
+  plain = tx._replace(update=optax.adamw(1e-2).update)
+  assert pallasopt.optim.fused_update(plain) is None
+  with pytest.raises(TypeError, match="not the FusedUpdate it was built with"):
+    plain.apply_gradients  # noqa: B018
+  params = _params()
+  grads = step_grads(params, 0)
+  got = pallasopt.optim.apply_gradients(plain, params, grads, plain.init(params))
+  updates, _ = optax.adamw(1e-2).update(grads, plain.init(params), params)
+  assert_trees_close(got[0], optax.apply_updates(params, updates))

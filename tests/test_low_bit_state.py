@@ -495,16 +495,25 @@ def test_int8_state_checkpoints_with_orbax(tmp_path):
 
 
 def test_sharding_specs_and_a_sharded_step():
-  params = {"w": jnp.zeros((64, 256)), "v": jnp.zeros((8, 1024, 12)), "b": jnp.zeros(64)}
-  specs = {"w": P("data"), "v": P(None, "data"), "b": P()}
+  params = {"w": jnp.zeros((64, 256)), "v": jnp.zeros((8, 1024, 12)), "b": jnp.zeros(64),
+            "c": jnp.zeros((64, 1024))}
+  specs = {"w": P("data"), "v": P(None, "data"), "b": P(), "c": P(None, "data")}
   tx = pallasopt.optim.adamw(1e-3, state_format="int8")
-  state_specs = optimizer_state_specs(jax.eval_shape(tx.init, params), params, specs)
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  shapes = jax.eval_shape(tx.init, params)
+  state_specs = optimizer_state_specs(shapes, params, specs, mesh=mesh)
   mu, nu = state_specs[0].mu, state_specs[0].nu
   assert mu["w"] == RatioBlockwise(P("data"), P(None, "data"))  # scales (1, 64)
   assert nu["w"] == RootBlockwise(P("data"), P(None, "data"))
   assert mu["v"] == RatioBlockwise(P(None, "data"), P())  # scales (8, 48)
   assert mu["b"] == P()
-  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  # Scales (4, 64): each shard of 256 columns holds one block per row.
+  assert mu["c"] == RatioBlockwise(P(None, "data"), P("data"))
+  # Without a mesh no one knows whether a shard holds whole blocks.
+  unknown = optimizer_state_specs(shapes, params, specs)[0].mu["c"]
+  assert unknown == RatioBlockwise(P(None, "data"), P())
+  with jax.set_mesh(mesh):
+    assert optimizer_state_specs(shapes, params, specs)[0].mu["c"] == mu["c"]
   shard = lambda tree, spec: jax.tree.map(
       lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)), tree, spec)
   params = jax.tree.map(lambda x: x + 1.0, params)
