@@ -258,7 +258,7 @@ _CONTEXT_FORMATS = {
 }
 
 
-def _compile_in_context(context, impl, fmt, layout=("data", None)):
+def _compile_in_context(context, impl, fmt, layout=("data", None), keep_layout=False):
   import contextlib
 
   from pallasopt.compile_check import traffic
@@ -277,8 +277,10 @@ def _compile_in_context(context, impl, fmt, layout=("data", None)):
       lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(spec)),
       abstract, optimizer_state_specs(abstract, params, specs, mesh=mesh))
   shardings = jax.tree.map(lambda x: x.sharding, (params, params, state))
-  step = jax.jit(_fused(tx), donate_argnums=(0, 2),
-                 **({"in_shardings": shardings} if context == "jit shardings" else {}))
+  placement = {"in_shardings": shardings} if context == "jit shardings" else {}
+  if keep_layout:  # a training loop's step returns its state where it took it
+    placement["out_shardings"] = (shardings[0], shardings[2])
+  step = jax.jit(_fused(tx), donate_argnums=(0, 2), **placement)
   # (jax.set_mesh(mesh) called outside a `with` sets the mesh for good: only here.)
   if context.startswith("set_mesh"):
     scope = jax.set_mesh(mesh)
@@ -311,7 +313,7 @@ def test_a_column_sharded_int8_state_declared_by_the_state_specs_needs_no_collec
   # scales by one rule (`quant.scales_spec`): each shard encodes its own
   # blocks, and nothing is gathered or resharded at the kernel's boundary.
   aot_targets.require("v5e")
-  t = _compile_in_context(context, "auto", "int8", layout=(None, "data"))
+  t = _compile_in_context(context, "auto", "int8", layout=(None, "data"), keep_layout=True)
   assert t.kernels == 1 and t.collectives == (), t
   assert t.hbm_bytes / (4096 * 4096 // 4) <= _CONTEXT_FORMATS["int8"][2], t
   assert [r for r in t.relayouts if r[1] >= 1 << 20] == [], t
