@@ -693,12 +693,9 @@ class _Cupti:
   """
 
   def __init__(self):
-    from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
+    from pallasopt.kernels import _compat  # noqa: PLC0415
 
-    lib = getattr(profiler, "mosaic_gpu_lib", None)
-    if lib is None:
-      from jax._src.lib import mosaic_gpu as lib  # noqa: PLC0415
-    self._ext = lib._mosaic_gpu_ext
+    self._ext = _compat.mosaic_gpu_extension()
     if not (hasattr(self._ext, "_cupti_init") and hasattr(self._ext, "_cupti_get_timings")):
       raise RuntimeError("this jaxlib's mosaic_gpu extension has no CUPTI timer")
 

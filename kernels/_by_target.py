@@ -49,7 +49,6 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jex_core
-from jax.interpreters import ad, batching, mlir
 
 from pallasopt.kernels import _compat
 from pallasopt.kernels._target import BASELINE_DEVICE_KIND, Target, lowering_target
@@ -272,7 +271,7 @@ def _device_of(target: Target) -> Iterator[None]:
 
 def _default_lowering(ctx, *operands, jaxpr, choice, narrowable):
   del choice, narrowable
-  return mlir.lower_fun(jex_core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *operands)
+  return _compat.lower_in_place(jex_core.jaxpr_as_fun(jaxpr), ctx, *operands)
 
 
 def _narrowed(ctx, operands, narrowable: tuple[int, ...], fn):
@@ -301,7 +300,7 @@ def _lowering(ctx, *operands, jaxpr, choice, narrowable, platform):
     return _default_lowering(ctx, *operands, jaxpr=jaxpr, choice=choice, narrowable=narrowable)
   with _device_of(target):
     ctx, operands = _narrowed(ctx, operands, narrowable, fn)
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
+    return _compat.lower_in_place(fn, ctx, *operands)
 
 
 # In place, not in a shared private function: the rule reads the shardings
@@ -324,13 +323,10 @@ def _batching(operands, dims, *, jaxpr, choice, narrowable):
   return outs, [0] * len(outs)
 
 
-batching.primitive_batchers[by_target_p] = _batching
-
-
 def _jvp(primals, tangents, *, jaxpr, choice, narrowable):
   del choice, narrowable
-  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  tangents = [_compat.instantiate_zeros(t) for t in tangents]
   return jax.jvp(jex_core.jaxpr_as_fun(jaxpr), list(primals), tangents)
 
 
-ad.primitive_jvps[by_target_p] = _jvp
+_compat.register_batching_and_jvp(by_target_p, _batching, _jvp)

@@ -2,13 +2,17 @@
 
 pallasopt supports jax >= 0.10, < 0.13. Names that moved between those
 releases are resolved here so the kernels import one stable spelling, and
-the few JAX internals the lowering-time dispatch needs (`_by_target`) are
-reached only from here.
+the JAX internals the project needs (``jax._src``, ``jax.interpreters``: the
+lowering-time dispatch of `_by_target`, the legacy ``with mesh:`` context,
+the CUPTI timer of the bench) are reached only from here. `missing_internals`
+names any that a JAX release has dropped; the tests fail on it, and where
+the code falls back it warns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
@@ -20,7 +24,7 @@ from jax._src.interpreters import mlir as _mlir_internal
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
 from jax.extend import core as jex_core
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
@@ -46,6 +50,12 @@ __all__ = [
     "reshard_like",
     "gathered",
     "register_inline_lowering",
+    "lower_in_place",
+    "register_batching_and_jvp",
+    "instantiate_zeros",
+    "legacy_context_mesh",
+    "mosaic_gpu_extension",
+    "missing_internals",
     "entry_argument_sharding",
 ]
 
@@ -201,6 +211,7 @@ def register_inline_lowering(primitive, platform_rules: dict, default_rule) -> N
   """
   per_platform = getattr(_mlir_internal, "lower_per_platform", None)
   if per_platform is None:  # pragma: no cover - a JAX without it: JAX's own choice.
+    _warn_missing("mlir.lower_per_platform")
     mlir.register_lowering(primitive, default_rule)
     for platform, platform_rule in platform_rules.items():
       mlir.register_lowering(primitive, platform_rule, platform=platform)
@@ -216,7 +227,78 @@ def register_inline_lowering(primitive, platform_rules: dict, default_rule) -> N
   try:
     mlir.register_lowering(primitive, rule, cacheable=False)
   except TypeError:  # pragma: no cover - a JAX without the flag.
+    _warn_missing("register_lowering(cacheable=False)")
     mlir.register_lowering(primitive, rule)
+
+
+def _takes_cacheable() -> bool:
+  import inspect  # noqa: PLC0415
+
+  return "cacheable" in inspect.signature(mlir.register_lowering).parameters
+
+
+def missing_internals() -> list[str]:
+  """The JAX internals this module relies on that this JAX lacks (empty when all are there)."""
+  checks = {
+      "mlir.lower_per_platform": hasattr(_mlir_internal, "lower_per_platform"),
+      "register_lowering(cacheable=False)": _takes_cacheable(),
+      "partial_eval.trace_to_jaxpr_dynamic": hasattr(pe, "trace_to_jaxpr_dynamic"),
+      "config.trace_context": hasattr(jax_config, "trace_context"),
+      "mesh.thread_resources": _legacy_mesh_module() is not None,
+  }
+  return [name for name, present in checks.items() if not present]
+
+
+def _warn_missing(name: str) -> None:
+  warnings.warn(
+      f"this JAX ({jax.__version__}) has no {name}: pallasopt's kernels lower as JAX shares "
+      "them, so a kernel cannot read its operands' shardings and runs on whole leaves "
+      "instead of per shard. pallasopt supports jax < 0.13; please report this JAX.",
+      RuntimeWarning, stacklevel=3,
+  )
+
+
+def lower_in_place(fn: Callable[..., Any], ctx, *operands):
+  """Lowers ``fn(*operands)`` inside a lowering rule (``fn`` returns a sequence)."""
+  return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
+
+
+def register_batching_and_jvp(primitive, batching_rule, jvp_rule) -> None:
+  """Registers ``primitive``'s vmap and forward-mode rules."""
+  batching.primitive_batchers[primitive] = batching_rule
+  ad.primitive_jvps[primitive] = jvp_rule
+
+
+def instantiate_zeros(tangent):
+  """``tangent`` as an array where JAX passes a symbolic zero."""
+  return ad.instantiate_zeros(tangent)
+
+
+def _legacy_mesh_module():
+  try:
+    from jax._src import mesh as mesh_lib  # noqa: PLC0415
+  except ImportError:  # pragma: no cover
+    return None
+  return mesh_lib if hasattr(mesh_lib, "thread_resources") else None
+
+
+def legacy_context_mesh() -> jax.sharding.Mesh | None:
+  """The mesh of an enclosing ``with mesh:`` block, which sets no public context, or None."""
+  mesh_lib = _legacy_mesh_module()
+  if mesh_lib is None:  # pragma: no cover
+    _warn_missing("mesh.thread_resources")
+    return None
+  return mesh_lib.thread_resources.env.physical_mesh
+
+
+def mosaic_gpu_extension():
+  """jaxlib's Mosaic GPU extension module (its CUPTI timer), by its public name where it has one."""
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
+
+  lib = getattr(profiler, "mosaic_gpu_lib", None)
+  if lib is None:
+    from jax._src.lib import mosaic_gpu as lib  # noqa: PLC0415
+  return lib._mosaic_gpu_ext
 
 
 def widened_from_bfloat16(value):

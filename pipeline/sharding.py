@@ -37,7 +37,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pallasopt.kernels import quant
+from pallasopt.kernels import _compat, quant
 
 __all__ = [
     "AutoShardingRule",
@@ -154,9 +154,8 @@ def _context_mesh(owner: str, mesh: Mesh | None) -> Mesh:
   if current.empty:
     # `with mesh:` (deprecated, still what eFormer's examples use) sets only
     # the legacy thread resources.
-    from jax._src import mesh as mesh_lib  # noqa: PLC0415
-
-    current = mesh_lib.thread_resources.env.physical_mesh
+    legacy = _compat.legacy_context_mesh()
+    current = current if legacy is None else legacy
   if current.empty:
     raise ValueError(
         f"{owner}: mesh=None takes the mesh in context, and none is active; pass mesh= or "

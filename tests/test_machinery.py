@@ -133,3 +133,23 @@ def test_use_impl_is_part_of_the_jit_cache_key():
     counted(params, state, params)
   counted(params, state, params)
   assert traced == ["auto", "interpret"]
+
+
+def test_every_jax_internal_the_project_relies_on_is_there():
+  # A JAX release that drops one would otherwise switch per-shard kernels off
+  # (or lose the legacy mesh context) with no more than a warning.
+  assert _compat.missing_internals() == []
+
+
+def test_jax_internals_are_imported_by_one_module():
+  import pathlib
+  import re
+
+  root = pathlib.Path(pallasopt.__file__).parent
+  importers = sorted(
+      str(path.relative_to(root))
+      for folder in ("kernels", "optim", "pipeline", "bench", ".")
+      for path in (root / folder).glob("*.py")
+      if re.search(r"^\s*(from|import) jax\.(_src|interpreters)\b", path.read_text(), re.M)
+  )
+  assert importers == ["kernels/_compat.py"]
