@@ -75,10 +75,10 @@ def case(workload: workloads.Workload, step: str, stacked_axes: int = 0) -> harn
 
   def inputs(key):
     kp, kg, km = jax.random.split(key, 3)
-    params = harness.random_tree(kp, workload.tree)
-    grads = harness.random_tree(kg, workload.tree)
+    params = workloads.random_tree(kp, workload.tree)
+    grads = workloads.random_tree(kg, workload.tree)
     state = make("xla").init(params)
-    state[0]["mu"] = harness.random_tree(km, workload.tree, scale=0.1)
+    state[0]["mu"] = workloads.random_tree(km, workload.tree, scale=0.1)
     return (params, state), grads
 
   impls = harness.xla_and_kernel_impls(make)

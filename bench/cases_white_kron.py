@@ -59,8 +59,8 @@ def case(workload: workloads.Workload, style: str, block_size: int) -> harness.C
 
   def inputs(key):
     kp, kg = jax.random.split(key)
-    params = harness.random_tree(kp, workload.tree)
-    return (params, make("xla").init(params)), harness.random_tree(kg, workload.tree)
+    params = workloads.random_tree(kp, workload.tree)
+    return (params, make("xla").init(params)), workloads.random_tree(kg, workload.tree)
 
   impls = harness.xla_and_kernel_impls(make)
   return harness.Case(

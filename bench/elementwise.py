@@ -38,7 +38,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import optax
 
 from bench import harness, workloads
 from pallasopt.kernels import quant
@@ -173,9 +172,9 @@ class ElementwiseFamily:
 
     def inputs_for(tree, state_format=None, mu_dtype=None):
       def inputs(key):
-        params = harness.random_tree(key, tree, stream=0)
-        grads = harness.random_tree(key, tree, stream=1)
-        state = harness.randomize_floats(key, optax_tx.init(params))
+        params = workloads.random_tree(key, tree, stream=0)
+        grads = workloads.random_tree(key, tree, stream=1)
+        state = workloads.randomize_floats(key, optax_tx.init(params))
         if state_format is not None or mu_dtype is not None:
           state = convert_state(state, params, state_format, mu_dtype=mu_dtype)
         return (params, state), grads

@@ -18,7 +18,7 @@ On a CPU the stages are fake devices (``--xla_force_host_platform_device_count``
 set here when absent) that share the host's cores, so the numbers only show
 that the pipeline runs and scales plausibly: correctness-scale, not
 performance. Records go to ``bench/results/<device-kind>/pipeline.jsonl``
-with `bench.harness.environment`'s provenance.
+with `bench.records.environment`'s provenance.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from bench import harness  # noqa: E402
+from bench import records  # noqa: E402
 from pallasopt.optim import AdamWConfig, OptimizerFactory, SchedulerConfig  # noqa: E402
 from pallasopt.pipeline.circular import circular_pipeline  # noqa: E402
 from pallasopt.pipeline.layout import layers_to_stages  # noqa: E402
@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
   args = p.parse_args(argv)
   cfg = Config(args.stages, args.repeats, tuple(int(m) for m in args.microbatches.split(",")),
                args.microbatch, args.seq, args.hidden, args.iters, args.streamed_io)
-  env = harness.environment()
+  env = records.environment()
   print(f"device: {env.device_kind} ({env.platform}, {env.device_count} device(s)); "
         f"jax {env.versions['jax']}; commit {env.git_commit[:12]}")
   if env.platform == "cpu":
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
           " correctness-scale numbers, not pipeline performance.")
   rows = measure(cfg)
   print(format_table(rows))
-  out = args.out or harness.RESULTS_DIR / env.slug / "pipeline.jsonl"
+  out = args.out or records.RESULTS_DIR / env.slug / "pipeline.jsonl"
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, "a") as f:
     for r in rows:

@@ -21,9 +21,9 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-from bench import harness
+from bench import records as bench_records
 
-_FASTER, _SLOWER = "#2a9d57", "#c8553d"
+_FASTER, _SLOWER, _SAME = "#2a9d57", "#c8553d", "#9a9a9a"
 
 
 def _size_free_label(record: dict) -> str:
@@ -58,14 +58,18 @@ def plot(records: Sequence[dict], out: str | pathlib.Path, title: str | None = N
       len(families), 1, figsize=(11, 1.0 + 0.24 * sum(heights) + 0.7 * len(families)),
       squeeze=False, constrained_layout=True, gridspec_kw={"height_ratios": heights},
   )
-  largest = max(max(r["vs_baseline"] for r in rows), 1.0)
+  # A row whose timing range overlaps its baseline's measured no difference:
+  # drawn at 1.0, in grey.
+  same = lambda r: bool(r.get("same_as_baseline"))
+  largest = max(max(1.0 if same(r) else r["vs_baseline"] for r in rows), 1.0)
   for ax, family in zip(axes[:, 0], families):
     mine = by_family[family]
-    ratios = [r["vs_baseline"] for r in mine]
+    ratios = [1.0 if same(r) else r["vs_baseline"] for r in mine]
+    colors = [_SAME if same(r) else _FASTER if x >= 1 else _SLOWER for r, x in zip(mine, ratios)]
     ys = range(len(mine))
-    ax.barh(ys, ratios, color=[_FASTER if x >= 1 else _SLOWER for x in ratios], height=0.7)
-    for y, x in zip(ys, ratios):
-      ax.text(x, y, f" {x:.2f}x", va="center", fontsize=7)
+    ax.barh(ys, ratios, color=colors, height=0.7)
+    for y, x, r in zip(ys, ratios, mine):
+      ax.text(x, y, " same (ranges overlap)" if same(r) else f" {x:.2f}x", va="center", fontsize=7)
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_yticks(list(ys), [_bar_label(r) for r in mine], fontsize=7)
     ax.invert_yaxis()
@@ -100,17 +104,17 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
   if args.inputs:
     paths = [pathlib.Path(x) for x in args.inputs]
   else:
-    folder = harness.RESULTS_DIR / harness.environment().slug
+    folder = bench_records.RESULTS_DIR / bench_records.environment().slug
     paths = sorted(folder.glob("*.jsonl"))
   if not paths:
     p.error("no JSONL results found; run `python -m bench` first or pass --in")
   written = []
   if args.out:
-    records = [r for path in paths for r in harness.load_records(path)]
+    records = [r for path in paths for r in bench_records.load_records(path)]
     written.append(plot(records, args.out))
   else:
     for path in paths:
-      written.append(plot(harness.load_records(path), path.with_suffix(".png")))
+      written.append(plot(bench_records.load_records(path), path.with_suffix(".png")))
   for path in written:
     print(path, file=sys.stderr)
   return written

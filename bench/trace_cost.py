@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 import pallasopt
-from bench import harness
+from bench import records as bench_records
 
 # name -> (pallasopt transform, the reference it is rated against).
 OPTIMIZERS: dict[str, tuple[Callable[[], optax.GradientTransformation], ...]] = {
@@ -56,7 +56,7 @@ def trace_and_lower_s(tx: optax.GradientTransformation, params) -> float:
 
 def run(leaves: int, names: Sequence[str], out: pathlib.Path) -> list[dict]:
   """Times every optimizer in ``names`` and its reference; appends the records."""
-  env = harness.environment()
+  env = bench_records.environment()
   params = small_leaf_tree(leaves)
   records = []
   for name in names:
@@ -70,7 +70,7 @@ def run(leaves: int, names: Sequence[str], out: pathlib.Path) -> list[dict]:
         "git_commit": env.git_commit, "git_dirty": env.git_dirty,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    harness.append_record(out, record)
+    bench_records.append_record(out, record)
     records.append(record)
     print(f"| {name} | {leaves} | {ours_s:.2f} | {reference_s:.2f} | {ours_s / reference_s:.2f}x |",
           flush=True)
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
   p.add_argument("--out", help="JSONL file (default bench/results/<device-kind>/trace-cost.jsonl)")
   args = p.parse_args(argv)
   names = [n for n in OPTIMIZERS if not args.filter or re.search(args.filter, n)]
-  out = pathlib.Path(args.out or harness.RESULTS_DIR / harness.environment().slug / "trace-cost.jsonl")
+  out = pathlib.Path(args.out or bench_records.RESULTS_DIR / bench_records.environment().slug / "trace-cost.jsonl")
   print("| optimizer | leaves | pallasopt trace+lower s | reference s | ratio |")
   print("| --- | --- | --- | --- | --- |")
   return run(args.leaves, names, out)

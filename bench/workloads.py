@@ -217,3 +217,58 @@ def for_tier(tier: str, policies: tuple[str, ...] = ("f32", "mixed")) -> list[Wo
         decoder(**DECODER_1B, stacked=(4, 4), policy=policy, name="decoder-1b-stacked4x4"),
     ]
   return out
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+  """A 32-bit integer hash (an avalanche mixer of the "lowbias32" kind)."""
+  x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+  x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def random_tree(
+    key: jax.Array, specs: Any, *, positive: bool = False, scale: float = 1.0, stream: int = 0
+) -> Any:
+  """A tree of pseudo-random arrays shaped like ``specs`` (ShapeDtypeStructs).
+
+  Values are uniform with unit variance times ``scale`` and never zero;
+  ``positive`` takes ``|x| + 1e-3`` (e.g. second moments). ``key`` and
+  ``stream`` pick the sequence: use one stream per tree drawn from one key.
+  Each element is a counter-based integer hash of (key, stream, element
+  index): a threefry draw per leaf would make XLA compile a large RNG kernel
+  per leaf, which takes seconds per tree on a CPU.
+  """
+  data = jax.random.key_data(key).ravel().astype(jnp.uint32)
+  seed = _mix32(jnp.uint32(0x9E3779B9 * (stream + 1) & 0xFFFFFFFF))
+  for word in data:
+    seed = _mix32(seed ^ word)
+  leaves, treedef = jax.tree.flatten(specs)
+  out, offset = [], 0
+  for spec in leaves:
+    n = math.prod(spec.shape)
+    bits = _mix32(jax.lax.iota(jnp.uint32, max(n, 1))[:n] + jnp.uint32(offset & 0xFFFFFFFF) + seed)
+    # 24 random bits -> an odd multiple of 2**-24 in (-1, 1): never zero.
+    u = ((bits >> 8).astype(jnp.float32) * 2.0 - (2**24 - 1)) * 2.0**-24
+    x = u * (scale * 3**0.5)
+    if positive:
+      x = jnp.abs(x) + 1e-3
+    out.append(x.reshape(spec.shape).astype(spec.dtype))
+    offset += n
+  return treedef.unflatten(out)
+
+
+def randomize_floats(key: jax.Array, tree: Any, *, positive: bool = True, scale: float = 0.1) -> Any:
+  """``tree`` with every floating leaf replaced by random data of its shape/dtype.
+
+  Integer leaves (step counters) are kept. The default (small positive values)
+  suits moment estimates; a family whose state needs other values (e.g.
+  preconditioner matrices) passes its own ``prepare_state`` to `optimizer_case`.
+  Uses `random_tree` stream 2 of ``key`` (streams 0 and 1 are the params and
+  grads of `optimizer_case`).
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  where = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+  specs = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in where]
+  for i, x in zip(where, random_tree(key, specs, positive=positive, scale=scale, stream=2)):
+    leaves[i] = x
+  return treedef.unflatten(leaves)

@@ -25,6 +25,8 @@ from bench import (
     harness,
     kernels,
     plot,
+    records,
+    timing,
     trace_cost,
     workloads,
 )
@@ -155,23 +157,23 @@ def test_a_failing_configuration_is_recorded_and_retried(tmp_path, capsys):
 
   case = harness.Case(
       family="test", workload="leaf", label="f32/8", params=8, leaves=1,
-      inputs=lambda key: (harness.random_tree(key, spec), ()),
+      inputs=lambda key: (workloads.random_tree(key, spec), ()),
       impls=(harness.Impl("broken", broken, pallas=False),), bytes=64,
   )
-  settings = harness.Settings.for_tier("ci", "cpu")
+  settings = timing.Settings.for_tier("ci", "cpu")
   path = tmp_path / "errors.jsonl"
   (r,) = harness.run([case], settings, path)
   assert "boom" in r["error"]
   assert "ERROR: RuntimeError: boom" in capsys.readouterr().out
   harness.run([case], settings, path)  # errors are measured again, not skipped
-  assert len(harness.load_records(path)) == 2
+  assert len(records.load_records(path)) == 2
 
 
 def _matmul_case(dtype, *, explicit: bool) -> harness.Case:
   spec = jax.ShapeDtypeStruct((64, 64), dtype)
 
   def inputs(key):
-    return harness.random_tree(key, spec), harness.random_tree(key, spec, stream=1)
+    return workloads.random_tree(key, spec), workloads.random_tree(key, spec, stream=1)
 
   step = lambda c, g: (c @ g).astype(c.dtype)
   return harness.Case(
@@ -185,7 +187,7 @@ def _matmul_case(dtype, *, explicit: bool) -> harness.Case:
 def test_compute_rows_are_divided_by_the_matmul_ceiling_of_their_own_dtype(tmp_path, capsys):
   # An f32 case against a bf16 matmul ceiling (emulated, slow on a CPU) read 256%.
   cases = [_matmul_case(jnp.float32, explicit=True), _matmul_case(jnp.bfloat16, explicit=False)]
-  records = harness.run(cases, harness.Settings.for_tier("ci", "cpu"), tmp_path / "mm.jsonl")
+  records = harness.run(cases, timing.Settings.for_tier("ci", "cpu"), tmp_path / "mm.jsonl")
   out = capsys.readouterr().out
   by_dtype = {r["label"]: r for r in records}
   assert set(by_dtype) == {"float32", "bfloat16"}
@@ -256,7 +258,7 @@ def test_loop_runner_equals_sequential_steps():
     for _ in range(3):
       c = step(c, k)
     want.append(c)
-  got = harness._loop_runner(step)(tuple(jax.tree.map(jnp.copy, carries)), tuple(consts), 3)
+  got = timing._loop_runner(step)(tuple(jax.tree.map(jnp.copy, carries)), tuple(consts), 3)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-6)
 
@@ -350,12 +352,12 @@ def test_low_bit_bytes_model_equals_the_kernels_cost_estimates(
     ("TPU v6 lite", "TPU v6e", 1638),
 ])
 def test_datasheet_peaks_by_device_kind(kind, name, gbps):
-  peaks = harness.datasheet_peaks(kind)
+  peaks = records.datasheet_peaks(kind)
   assert (peaks.name, peaks.gbps) == (name, gbps)
 
 
 def test_no_datasheet_for_a_cpu():
-  assert harness.datasheet_peaks("cpu") is None
+  assert records.datasheet_peaks("cpu") is None
 
 
 def test_realistic_workloads_have_the_published_sizes():
@@ -372,22 +374,22 @@ def test_realistic_workloads_have_the_published_sizes():
 
 
 def test_rotation_covers_the_cache_within_limits():
-  s = harness.Settings(rotate_bytes=1 << 20, max_rotations=16, max_rotated_leaves=64)
-  assert harness._rotations(1 << 20, 1, s) == 1
-  assert harness._rotations(1 << 16, 1, s) == 16
-  assert harness._rotations(1 << 18, 1, s) == 4
-  assert harness._rotations(1 << 10, 32, s) == 2  # bounded by leaves per loop body
+  s = timing.Settings(rotate_bytes=1 << 20, max_rotations=16, max_rotated_leaves=64)
+  assert timing._rotations(1 << 20, 1, s) == 1
+  assert timing._rotations(1 << 16, 1, s) == 16
+  assert timing._rotations(1 << 18, 1, s) == 4
+  assert timing._rotations(1 << 10, 32, s) == 2  # bounded by leaves per loop body
 
 
 def test_random_inputs_are_never_zero():
   specs = {"a": jax.ShapeDtypeStruct((3, 5), jnp.bfloat16), "b": jax.ShapeDtypeStruct((7,), jnp.float32)}
-  tree = jax.jit(lambda k: harness.random_tree(k, specs, positive=True))(jax.random.key(0))
+  tree = jax.jit(lambda k: workloads.random_tree(k, specs, positive=True))(jax.random.key(0))
   for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs)):
     assert x.shape == s.shape and x.dtype == s.dtype and bool(jnp.all(x > 0))
 
 
 def test_results_folder_is_documented_and_ignores_cpu_runs():
-  results = pathlib.Path(harness.RESULTS_DIR)
+  results = pathlib.Path(records.RESULTS_DIR)
   assert (results / "README.md").exists()
   assert "cpu/" in (results / ".gitignore").read_text().split()
 
@@ -423,7 +425,7 @@ class _FakeCuptiExt:
 
 def test_cupti_samples_are_per_call_kernel_sums():
   ext = _FakeCuptiExt()
-  cupti = object.__new__(harness._Cupti)
+  cupti = object.__new__(timing._Cupti)
   cupti._ext = ext
   calls = []
 
@@ -433,7 +435,7 @@ def test_cupti_samples_are_per_call_kernel_sums():
     return carry + consts
 
   carries, consts = [jnp.float32(0), jnp.float32(10)], [jnp.float32(1), jnp.float32(1)]
-  s = harness.Settings(warmup=1, iters=5, max_time_s=10)
+  s = timing.Settings(warmup=1, iters=5, max_time_s=10)
   stats, carries = cupti.time(compiled, carries, consts, s)
   assert stats["samples"] == 5 and stats["kernels_per_step"] == 2
   assert stats["median_ms"] == stats["min_ms"] == stats["max_ms"] == 0.75
@@ -442,11 +444,11 @@ def test_cupti_samples_are_per_call_kernel_sums():
 
 
 def test_gpu_timing_falls_back_to_wall_clock_and_says_why():
-  env = dataclasses.replace(harness.environment(), platform="gpu")
+  env = dataclasses.replace(records.environment(), platform="gpu")
   spec = jax.ShapeDtypeStruct((64,), jnp.float32)
-  out = harness._measure(
-      "t", lambda c, k: c * 0.5 + k, lambda key: (harness.random_tree(key, spec), harness.random_tree(key, spec, stream=1)),
-      leaves=1, s=harness.Settings.for_tier("ci", "cpu"), env=env,
+  out = timing.measure(
+      "t", lambda c, k: c * 0.5 + k, lambda key: (workloads.random_tree(key, spec), workloads.random_tree(key, spec, stream=1)),
+      leaves=1, s=timing.Settings.for_tier("ci", "cpu"), env=env,
   )
   assert out["timing"] in ("wall", "wall-loop") and out["finite"]
   assert out["timing_note"].startswith("CUPTI unavailable, wall clock used")
@@ -474,3 +476,30 @@ def test_white_kron_flops_model_counts_the_dense_block_matmuls(style):
   cost = jax.jit(case.impls[0].build("xla")).lower(carry, consts).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   assert case.flops <= cost["flops"] <= 1.5 * case.flops
+
+
+def _timed_row(impl, median, lo, hi):
+  return dict(key=f"adamw/leaf/f32/1000/{impl}[xla]", case="adamw/leaf/f32/1000", family="adamw",
+              workload="leaf", label="f32/1000", impl=impl, kernel="xla", baseline="optax",
+              params=1000, timing="wall", median_ms=median, min_ms=lo, max_ms=hi,
+              wall_median_ms=median, device_kind="cpu", platform="cpu")
+
+
+@pytest.mark.parametrize("ours,same", [((1.0, 0.6, 1.5), True), ((1.0, 0.9, 1.1), False)])
+def test_overlapping_timing_ranges_read_as_no_difference(ours, same, monkeypatch, tmp_path):
+  # A 2.0x "win" whose range (0.6-1.5 ms) overlaps the baseline's (1.4-3 ms)
+  # measured nothing: the table and the plot say so, and the axis is not set by it.
+  rows = [_timed_row("optax", 2.0, 1.4, 3.0), _timed_row("pallasopt.fused", *ours)]
+  records.attach_ratios(rows)
+  assert rows[1]["same_as_baseline"] is same
+  assert rows[1]["vs_baseline"] == (1.0 if same else 2.0)
+  table_row = records.format_table(rows).splitlines()[3]
+  assert ("same (ranges overlap)" in table_row) is same and ("2.00x" in table_row) is not same
+  matplotlib = pytest.importorskip("matplotlib")
+  matplotlib.use("Agg")
+  from matplotlib import pyplot  # noqa: PLC0415
+  drawn = []
+  monkeypatch.setattr(pyplot, "close", lambda fig: drawn.append(fig))
+  plot.plot(rows, tmp_path / "same.png")
+  (ax,) = drawn[0].axes
+  assert [p.get_width() for p in ax.patches] == [1.0 if same else 2.0]

@@ -1,0 +1,351 @@
+"""Benchmark records: provenance, the JSONL file, the table.
+
+Output: one JSONL record per configuration, appended and flushed as soon as
+it is measured (versions, device kind, commit, timing method, all numbers),
+so a long sweep can be resumed: configurations already in the file, measured
+at this commit with this jax version on this device kind under this `SCHEMA`,
+are reused (the run says how many and from where); others are measured anew.
+A Markdown table goes to stdout and beside the JSONL as ``.md``; a plot goes
+beside it as ``.png`` where matplotlib is installed (the ``bench`` extra).
+Every file written is named on stderr, with the progress. On a CPU the Pallas kernels exist only as an
+interpreter, which is not a kernel speed: pallasopt's rows time its XLA
+reference path (``impl="auto"`` resolves to it there; the harness asks for
+``"xla"`` directly, the same program), and ``--interpret`` (tests only) runs the interpreter with every
+speed-derived number suppressed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform as _platform
+import re
+import subprocess
+from collections.abc import Iterable, Sequence
+
+import jax
+import numpy as np
+import optax
+
+__all__ = [
+    "SCHEMA",
+    "RESULTS_DIR",
+    "Peaks",
+    "DATASHEET",
+    "Environment",
+    "datasheet_peaks",
+    "environment",
+    "load_records",
+    "append_record",
+    "banner",
+    "format_table",
+    "ceiling_label",
+    "ratio",
+    "overlaps",
+    "baselines",
+    "attach_ratios",
+    "is_current",
+]
+
+# 2: per-dtype matmul ceilings (``ceiling``/``ceiling_pct``, were ``copy_*``).
+SCHEMA = 2
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------
+# Device limits.
+
+
+@dataclasses.dataclass(frozen=True)
+class Peaks:
+  """Datasheet peaks of one device: memory bandwidth and dense bf16 matmul."""
+
+  name: str
+  gbps: float
+  bf16_tflops: float
+  source: str
+
+
+# Published datasheet numbers (dense bf16, no sparsity), matched against
+# `jax.Device.device_kind` in order (first match wins):
+# - NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): SXM 4.8 TB/s,
+#   989 TFLOP/s; NVL 4.8 TB/s, 835 TFLOP/s.
+# - NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): SXM 3.35 TB/s,
+#   989 TFLOP/s; PCIe 2.0 TB/s, 756 TFLOP/s; NVL 3.9 TB/s, 835 TFLOP/s.
+# - NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): 312 TFLOP/s;
+#   80GB SXM 2039 GB/s, 80GB PCIe 1935 GB/s, 40GB 1555 GB/s.
+# - Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e,
+#   v5p, v6e): v4 1200 GB/s, 275 TFLOP/s; v5e 819 GB/s, 197 TFLOP/s;
+#   v5p 2765 GB/s, 459 TFLOP/s; v6e 1638 GB/s, 918 TFLOP/s.
+DATASHEET: tuple[tuple[str, Peaks], ...] = (
+    (r"h200.*nvl", Peaks("NVIDIA H200 NVL", 4800, 835, "NVIDIA H200 datasheet")),
+    (r"h200", Peaks("NVIDIA H200 SXM", 4800, 989, "NVIDIA H200 datasheet")),
+    (r"h100.*pcie", Peaks("NVIDIA H100 PCIe", 2000, 756, "NVIDIA H100 datasheet")),
+    (r"h100.*nvl", Peaks("NVIDIA H100 NVL", 3900, 835, "NVIDIA H100 datasheet")),
+    (r"h100", Peaks("NVIDIA H100 SXM", 3350, 989, "NVIDIA H100 datasheet")),
+    (r"a100.*80gb.*pcie|a100.*pcie.*80gb", Peaks("NVIDIA A100 80GB PCIe", 1935, 312, "NVIDIA A100 datasheet")),
+    (r"a100.*80gb", Peaks("NVIDIA A100 80GB SXM", 2039, 312, "NVIDIA A100 datasheet")),
+    (r"a100", Peaks("NVIDIA A100 40GB", 1555, 312, "NVIDIA A100 datasheet")),
+    (r"v6 ?lite|v6e", Peaks("TPU v6e", 1638, 918, "cloud.google.com/tpu/docs/v6e")),
+    (r"v5 ?lite|v5e", Peaks("TPU v5e", 819, 197, "cloud.google.com/tpu/docs/v5e")),
+    (r"v5p|tpu v5$", Peaks("TPU v5p", 2765, 459, "cloud.google.com/tpu/docs/v5p")),
+    (r"tpu v4", Peaks("TPU v4", 1200, 275, "cloud.google.com/tpu/docs/v4")),
+)
+
+
+def datasheet_peaks(device_kind: str) -> Peaks | None:
+  """The datasheet peaks for a `device_kind` string, or None if unknown."""
+  kind = device_kind.lower().strip()
+  for pattern, peaks in DATASHEET:
+    if re.search(pattern, kind):
+      return peaks
+  return None
+
+
+# ---------------------------------------------------------------------------
+# Environment and provenance.
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+  platform: str  # jax platform: "cpu", "gpu", "tpu"
+  device_kind: str
+  device_count: int
+  versions: dict
+  git_commit: str
+  git_dirty: bool | None
+  peaks: Peaks | None
+
+  @property
+  def slug(self) -> str:
+    """``device_kind`` as a folder name, e.g. ``nvidia-h100-80gb-hbm3``."""
+    return re.sub(r"[^a-z0-9]+", "-", self.device_kind.lower()).strip("-") or "unknown"
+
+
+def _version(dist: str) -> str | None:
+  try:
+    return importlib.metadata.version(dist)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def _git(*args: str) -> str | None:
+  try:
+    out = subprocess.run(
+        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+    )
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip()
+
+
+def environment() -> Environment:
+  """Device, versions and commit of this run (``$PALLASOPT_COMMIT`` where no git)."""
+  dev = jax.devices()[0]
+  commit = _git("rev-parse", "HEAD") or os.environ.get("PALLASOPT_COMMIT", "unknown")
+  status = _git("status", "--porcelain", "--untracked-files=no")
+  versions = {
+      "jax": jax.__version__,
+      "jaxlib": _version("jaxlib"),
+      "optax": optax.__version__,
+      "numpy": np.__version__,
+      "pallasopt": _version("pallasopt"),
+      "python": _platform.python_version(),
+  }
+  return Environment(
+      platform=dev.platform, device_kind=dev.device_kind, device_count=jax.device_count(),
+      versions=versions, git_commit=commit,
+      git_dirty=None if status is None else bool(status),
+      peaks=datasheet_peaks(dev.device_kind),
+  )
+
+
+
+def load_records(path: str | os.PathLike) -> list[dict]:
+  """Every record of a JSONL results file (a torn last line is ignored)."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return []
+  records = []
+  for line in path.read_text().splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return records
+
+
+def append_record(path: pathlib.Path, record: dict) -> None:
+  """Appends one record to a JSONL results file, creating its folder."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("a") as f:
+    f.write(json.dumps(record, default=str) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+
+def banner(env: Environment, kernel_impls: Sequence[str]) -> str:
+  """What the numbers of this run are, in words (printed above the table)."""
+  lines = [
+      f"device: {env.device_kind} ({env.platform}, {env.device_count} device(s)); "
+      f"jax {env.versions['jax']}, jaxlib {env.versions['jaxlib']}, optax {env.versions['optax']}; "
+      f"commit {env.git_commit[:12]}{' (dirty)' if env.git_dirty else ''}",
+  ]
+  if env.peaks:
+    lines.append(
+        f"datasheet: {env.peaks.name}, {env.peaks.gbps:g} GB/s, {env.peaks.bf16_tflops:g} bf16 TFLOP/s"
+    )
+  else:
+    lines.append("datasheet: no published peak for this device; '% peak' is left empty")
+  if env.platform == "cpu":
+    if "interpret" in kernel_impls:
+      lines.append(
+          "CPU: pallasopt rows run the Pallas INTERPRETER. That is a correctness tool, "
+          "NOT a kernel speed: no speed or percentage is derived from those rows."
+      )
+    else:
+      lines.append(
+          "CPU: every row times XLA's CPU code for its path (pallasopt's XLA reference, what "
+          "impl='auto' runs here; Pallas kernels are NOT timed): no speed claim for a GPU or TPU."
+      )
+  return "\n".join(lines)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+  return "-" if x is None else format(x, spec)
+
+
+def format_table(records: Sequence[dict]) -> str:
+  """A Markdown table of records, grouped by case in record order."""
+  unit = lambda r: "TFLOP/s" if r.get("metric") == "compute" else "GB/s"
+  header = (
+      "| case | impl | kernel | median ms | min-max ms | wall ms | speed | % peak | % ceiling "
+      "| vs optax | compile s | footprint MiB |"
+  )
+  lines = [header, "| " + " | ".join(["---"] * (header.count("|") - 1)) + " |"]
+  for r in records:
+    if r.get("error"):
+      lines.append(f"| {r['case']} | {r['impl']} | {r['kernel']} | ERROR: {r['error'][:80]} |" + " |" * 8)
+      continue
+    mem = r.get("memory") or {}
+    lines.append(
+        "| {case} | {impl} | {kernel} | {med} | {rng} | {wall} | {speed} | {peak} | {ceil} | {ratio} "
+        "| {comp} | {mem} |".format(
+            case=r["case"], impl=r["impl"], kernel=r["kernel"],
+            med=_fmt(r["median_ms"], ".4g"),
+            rng=f"{r['min_ms']:.4g}-{r['max_ms']:.4g}",
+            wall=_fmt(r.get("wall_median_ms"), ".4g"),
+            speed="-" if r.get("achieved") is None else f"{r['achieved']:.4g} {unit(r)}",
+            peak=_fmt(r.get("peak_pct"), ".1f"),
+            ceil=_fmt(r.get("ceiling_pct"), ".1f"),
+            ratio=_ratio_cell(r),
+            comp=_fmt(r.get("compile_s"), ".2f"),
+            mem=_fmt(mem.get("footprint") and mem["footprint"] / 2**20, ".1f"),
+        )
+    )
+  return "\n".join(lines + ["", _legend(records)])
+
+
+def _ratio_cell(record: dict) -> str:
+  if record.get("vs_baseline") is None:
+    return "-"
+  if record.get("same_as_baseline"):
+    return "same (ranges overlap)"
+  return f"{record['vs_baseline']:.2f}x"
+
+
+def _legend(records: Sequence[dict]) -> str:
+  """How to read the table, with this run's timing methods and ceilings."""
+  timings = sorted({r["timing"] for r in records if r.get("timing")})
+  methods = {
+      "cupti": "cupti = summed CUPTI kernel time of one step",
+      "wall": "wall = wall clock of one blocking call",
+      "wall-loop": "wall-loop = wall clock of a jitted loop of steps, per step",
+  }
+  users: dict[str, list[str]] = {}
+  for r in records:
+    if (c := r.get("ceiling")) and r.get("ceiling_pct") is not None:
+      families = users.setdefault(ceiling_label(c), [])
+      if f"{r['family']}/*" not in families:
+        families.append(f"{r['family']}/*")
+  ceilings = "; ".join(f"{label} for {', '.join(f)}" for label, f in users.items()) or "-"
+  return (
+      f"median/min-max ms: {'; '.join(methods[t] for t in timings) or '-'}. "
+      "wall ms: median wall clock. speed: the case's floor (bytes or flops of the fused "
+      "kernel's cost estimate) / median, so the rows of a case compare directly. % peak: of the "
+      "datasheet (memory bandwidth for GB/s rows; dense bf16 matmul for bf16 TFLOP/s rows, left "
+      "empty for other dtypes). % ceiling: of the ceiling measured in this run for the row's unit "
+      "and dtype: GB/s rows against an in-place copy stream far larger than the caches, TFLOP/s "
+      "rows against a dense square matmul in the case's compute dtype; "
+      f"each ceiling is its best sample ({ceilings}). Either ceiling is a simple kernel, not a bound: a step can pass 100% "
+      "where its working set stays in cache (small leaves and matrices on a CPU). "
+      "vs optax: the jitted Optax step's median / this "
+      "median, > 1 is faster (where Optax has no such optimizer, the case's named baseline); "
+      "\"same\" where the two min-max ranges overlap: no difference was measured. "
+      "footprint: argument + output - aliased + temp bytes of the "
+      "compiled step (memory_analysis)."
+  )
+
+
+def ratio(record: dict, base: dict | None) -> float | None:
+  """Baseline time / this time, by the same timing method (else wall clock).
+
+  1.0 where both were timed the same way and their min-max ranges overlap:
+  no difference was measured, whatever the medians say (`overlaps`).
+  """
+  if base is None or record.get("error") or record.get("kernel") == "interpret":
+    return None
+  if overlaps(record, base):
+    return 1.0
+  field = "median_ms" if record.get("timing") == base.get("timing") else "wall_median_ms"
+  ours, theirs = record.get(field), base.get(field)
+  return theirs / ours if ours and theirs else None
+
+
+def overlaps(record: dict, base: dict) -> bool:
+  """Whether two rows timed the same way have overlapping min-max ranges."""
+  if record is base or record.get("timing") != base.get("timing"):
+    return False
+  lo, hi = record.get("min_ms"), record.get("max_ms")
+  base_lo, base_hi = base.get("min_ms"), base.get("max_ms")
+  if None in (lo, hi, base_lo, base_hi):
+    return False
+  return lo <= base_hi and base_lo <= hi
+
+
+def baselines(records: Iterable[dict]) -> dict[str, dict]:
+  return {
+      r["case"]: r for r in records
+      if not r.get("error") and r["impl"] == r.get("baseline") and r.get("kernel") != "interpret"
+  }
+
+
+def attach_ratios(records: list[dict]) -> None:
+  """Sets ``vs_baseline`` (see `ratio`) and ``same_as_baseline`` on every record, within its case."""
+  base = baselines(records)
+  for r in records:
+    b = base.get(r["case"])
+    r["vs_baseline"] = ratio(r, b)
+    r["same_as_baseline"] = b is not None and r["vs_baseline"] is not None and overlaps(r, b)
+
+
+
+def is_current(record: dict, env: Environment) -> bool:
+  """Whether ``record`` was measured by this code on this device (resumable)."""
+  return (
+      record.get("schema") == SCHEMA and record.get("device_kind") == env.device_kind
+      and record.get("git_commit") == env.git_commit
+      and record.get("jax") == env.versions["jax"]
+  )
+
+
+def ceiling_label(ceiling: dict) -> str:
+  """``copy 24.1 GB/s`` or ``float32 matmul 0.12 TFLOP/s``."""
+  if "gbps" in ceiling:
+    return f"copy {ceiling['gbps']:.1f} GB/s"
+  return f"{ceiling['dtype']} matmul {ceiling['tflops']:.3g} TFLOP/s"
