@@ -15,10 +15,10 @@ import optax
 import optax.contrib
 import pytest
 from hypothesis import given, settings, strategies as st
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pallasopt import optim
-from pallasopt.pipeline import sharding
 from pallasopt.pipeline.sharding import (
     AutoShardingRule,
     CompositeShardingRule,
@@ -454,7 +454,7 @@ def test_barrier_sync_returns_at_once_with_one_process(monkeypatch):
   def fail(name):
     raise AssertionError("no sync with one process")
 
-  monkeypatch.setattr(sharding.multihost_utils, "sync_global_devices", fail)
+  monkeypatch.setattr(multihost_utils, "sync_global_devices", fail)
   barrier_sync()
   barrier_sync("named", timeout=0.01)
   with pytest.raises(ValueError, match="timeout"):
@@ -464,13 +464,13 @@ def test_barrier_sync_returns_at_once_with_one_process(monkeypatch):
 def test_barrier_sync_with_several_processes(monkeypatch):
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   calls = []
-  monkeypatch.setattr(sharding.multihost_utils, "sync_global_devices", calls.append)
+  monkeypatch.setattr(multihost_utils, "sync_global_devices", calls.append)
   barrier_sync("step")
   barrier_sync("step2", timeout=5.0)
   assert calls == ["step", "step2"]
 
   release = threading.Event()
-  monkeypatch.setattr(sharding.multihost_utils, "sync_global_devices", lambda name: release.wait())
+  monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: release.wait())
   try:
     with pytest.raises(TimeoutError, match="'stuck'.*2 processes.*0.05 s"):
       barrier_sync("stuck", timeout=0.05)
@@ -480,7 +480,7 @@ def test_barrier_sync_with_several_processes(monkeypatch):
   def broken(name):
     raise RuntimeError("peer died")
 
-  monkeypatch.setattr(sharding.multihost_utils, "sync_global_devices", broken)
+  monkeypatch.setattr(multihost_utils, "sync_global_devices", broken)
   with pytest.raises(RuntimeError, match="peer died"):
     barrier_sync("broken", timeout=5.0)
 
