@@ -1,9 +1,9 @@
-"""`pallasopt.compile_check.traffic` on modules compiled for this CPU host."""
+"""`pallasopt.compiled_traffic.traffic` on modules compiled for this CPU host."""
 
 import jax
 import jax.numpy as jnp
 
-from pallasopt.compile_check import traffic
+from pallasopt.compiled_traffic import traffic
 
 
 def test_traffic_counts_the_costliest_branch_of_a_conditional_apart():
