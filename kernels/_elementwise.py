@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallasopt.kernels import _compat, quant
+from pallasopt.kernels import _compat, codecs, quant, rounding
 from pallasopt.kernels._compat import pl, pltpu, pltriton
 from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._target import Target
@@ -149,18 +149,19 @@ def _kernel(
   block_rows, block_cols = plan.block
   width = quant.BLOCK if blockwise else block_cols
   shape = (block_rows, width)
-  first_row = pl.program_id(1) * block_rows
+  # Read outside the loop over runs below: Pallas's TPU interpreter does not
+  # give a program id to code nested in a loop.
+  leading, row_block, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  first_row = row_block * block_rows
   row = first_row + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
 
   # The view coordinates of a run's elements: Triton masks ragged blocks with
   # them, and counter-based random bits hash their flat index.
   def col(run):
-    return pl.program_id(2) * block_cols + run * width + jax.lax.broadcasted_iota(
-        jnp.int32, shape, 1
-    )
+    return col_block * block_cols + run * width + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
 
   def extra(run):
-    return {"index": (pl.program_id(0) * rows + row) * cols + col(run)} if with_index else {}
+    return {"index": (leading * rows + row) * cols + col(run)} if with_index else {}
 
   if backend == "triton":
     # A Triton block is one run of `width` columns (`_plan`).
@@ -462,7 +463,7 @@ def _rounded_streams(
   if state_rounding == "stochastic":
     streams.update(1 + i for i, m in enumerate(moments) if _moment_dtype(m) == bf16)
   if streams and key is None:
-    raise ValueError("stochastic rounding needs a key (see quant.leaf_key); got key=None.")
+    raise ValueError("stochastic rounding needs a key (see rounding.leaf_key); got key=None.")
   return frozenset(streams)
 
 
@@ -472,7 +473,7 @@ def _coded_streams(moments, key) -> frozenset[int]:
   if streams and key is None:
     raise ValueError(
         "blockwise moments round their codes stochastically: pass the leaf's random key "
-        "(see quant.leaf_key); got key=None."
+        "(see rounding.leaf_key); got key=None."
     )
   return streams
 
@@ -653,13 +654,13 @@ def store_moment(
   A blockwise ``like`` gets ``x``'s blockwise codes in its role and format
   (`quant.quantize_like`: ``root`` for a ratio, ``key`` and ``stream`` for
   the codes that round stochastically); an array ``like`` gets ``x`` in its
-  dtype, rounded stochastically with ``bits`` (`quant.random_bits`) when
+  dtype, rounded stochastically with ``bits`` (`rounding.random_bits`) when
   given and the dtype is bfloat16, else to nearest.
   """
   if quant.is_blockwise(like):
     return quant.quantize_like(x, like, root=root, key=key, stream=stream)
   if bits is not None and like.dtype == jnp.bfloat16:
-    x = quant.stochastic_round_bf16(x, bits)
+    x = rounding.stochastic_round_bf16(x, bits)
   return x.astype(like.dtype)
 
 
@@ -694,10 +695,10 @@ def reference_update(
       (`quant.SIGNED`, `quant.RATIO` or `quant.ROOT`; at most one root,
       which the ratios divide by); needed when a moment is blockwise.
     state_rounding: how bf16 moments are stored: ``"nearest"`` or
-      ``"stochastic"`` (`quant.stochastic_round_bf16`). Blockwise codes
-      always round stochastically (`quant.code_bits`).
+      ``"stochastic"`` (`rounding.stochastic_round_bf16`). Blockwise codes
+      always round stochastically (`rounding.code_bits`).
     param_rounding: the same for bf16 params in ``"apply"`` mode.
-    key: the leaf's int32 random key (`quant.leaf_key`), needed when
+    key: the leaf's int32 random key (`rounding.leaf_key`), needed when
       anything is rounded stochastically.
   """
   check_update_mode(mode, p, decay)
@@ -712,8 +713,8 @@ def reference_update(
   f32 = lambda x: None if x is None else x.astype(jnp.float32)
   stored = [quant.stored_values(m) if quant.is_blockwise(m) else f32(m) for m in moments]
   u, *new = math(s, f32(p), f32(g), *_decoded(stored, moments, roles, partner), decay=decay)
-  index = quant.element_index(g.shape) if streams else None
-  bits = lambda stream: quant.random_bits(key, index, stream) if stream in streams else None
+  index = rounding.element_index(g.shape) if streams else None
+  bits = lambda stream: rounding.random_bits(key, index, stream) if stream in streams else None
   if mode == "apply":
     first = store_moment(f32(p) + u, p, bits=bits(0))
   else:
@@ -796,7 +797,7 @@ def kernel_update(
         state_rounding=state_rounding, param_rounding=param_rounding, key=key,
     )
   partner = _root_partner(moments, roles)
-  codecs = [quant.codec_of(m) if q else None for m, q in zip(moments, quantized, strict=True)]
+  codec_names = [quant.codec_of(m) if q else None for m, q in zip(moments, quantized, strict=True)]
   decay_outside = (mode == "updates" and decay and decay_rate is not None
                    and updates_dtype(p, g, *moments) == jnp.float32)
   decay_inside = decay and not decay_outside
@@ -819,19 +820,19 @@ def kernel_update(
     if mode == "apply":
       aliases[len(operands) - 1] = 0
   num_scalars = len(scalars)
-  extra_scalars = quant.split_key(key) if streams or coded else ()
+  extra_scalars = rounding.split_key(key) if streams or coded else ()
 
   def body(values, g, *rest, index=None):
-    key_in = quant.join_key(*values[num_scalars:]) if streams or coded else None
+    key_in = rounding.join_key(*values[num_scalars:]) if streams or coded else None
 
     def rounded(x, stream):
       if stream not in streams:
         return x
-      return quant.stochastic_round_bf16(x, quant.random_bits(key_in, index, stream))
+      return rounding.stochastic_round_bf16(x, rounding.random_bits(key_in, index, stream))
 
     rest = iter(rest)
     stored = [
-        quant.decode_rows(next(rest), next(rest), codecs[i]) if q else next(rest)
+        codecs.decode_rows(next(rest), next(rest), codec_names[i]) if q else next(rest)
         for i, q in enumerate(quantized)
     ]
     p = next(rest) if with_p else None
@@ -842,7 +843,7 @@ def kernel_update(
     for i, (x, q) in enumerate(zip(new, quantized, strict=True)):
       if q:
         y = root if i == partner else quant.to_stored(x, roles[i], root)
-        outputs.extend(quant.encode_rows(y, codecs[i], quant.code_bits(key_in, y, 1 + i)))
+        outputs.extend(codecs.encode_rows(y, codec_names[i], rounding.code_bits(key_in, y, 1 + i)))
       else:
         outputs.append(rounded(x, 1 + i))
     return outputs

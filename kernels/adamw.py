@@ -206,7 +206,7 @@ def adamw_apply(
     state_rounding: how bf16 moments are stored, ``"nearest"`` or
       ``"stochastic"``.
     param_rounding: how bf16 params are stored.
-    key: the leaf's random key (`quant.leaf_key`) for stochastic rounding
+    key: the leaf's random key (`rounding.leaf_key`) for stochastic rounding
       (bf16 params or moments; blockwise moments' codes always).
   """
   fn = update_dispatch(

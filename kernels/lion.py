@@ -179,7 +179,7 @@ def lion_apply(
     state_rounding: how a bf16 momentum is stored, ``"nearest"`` or
       ``"stochastic"``.
     param_rounding: how bf16 params are stored.
-    key: the leaf's random key (`quant.leaf_key`) for stochastic rounding.
+    key: the leaf's random key (`rounding.leaf_key`) for stochastic rounding.
   """
   fn = update_dispatch(
       lion_reference, lion_kernel, impl, (m,),

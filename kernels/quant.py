@@ -37,50 +37,8 @@ update :math:`m / w` depend on the stored ratio, whose largest values (the
 largest updates) sit at the top of the map, where it is finest; where the
 stored root is off, the decoded first moment is off by the same factor.
 
-The optimizer steps round every code *stochastically* (unbiased): the update
-of an exponential average with :math:`\beta_2 = 0.999` moves it by 0.1% a
-step, less than half a code, so rounding to nearest freezes it (measured on
-scikit-learn's digits: AdamW's final loss 12% off Optax's, Muon's momentum
-4.7% off Muon's in f32; stochastic: 0.3%). The random bits hash the value
-being rounded with the step's key (`code_bits`, `step_key`): no element
-index, so a step sharded any way draws the same bits.
-
-**The maps.** Codes are arithmetic (compares, affine maps, bit fields): no
-lookup table, no gather, nothing Mosaic or Triton cannot lower.
-
-* *Dynamic tree* (signed moments and ratios of ``"int8"``): a value is a
-  decade ``10^{-z}`` (``z = 0..6``) times a linear fraction in ``(0.1, 1)``,
-  with more fraction values in the larger decades. With ``F`` fraction bits in
-  decade 0, decade ``z`` holds ``2^{F-z}`` values, the midpoints of
-  ``2^{F-z}`` equal steps of ``[0.1, 1]``:
-
-  .. math::
-
-    q_z(f) = 10^{-z}\left(0.1 + 0.9\,\frac{f + 1/2}{2^{F-z}}\right),
-    \qquad f = 0, \dots, 2^{F-z} - 1.
-
-  The signed map has ``F = 6``: the 127 values ``±q_z(f)`` each, 0 and 1 (256
-  values, bitsandbytes' signed map). A code is the value's rank in the sorted
-  map. (The unsigned map, ``F = 7``, 0 and 1, held second moments before
-  2026-11-26; it is kept only to read such states, `legacy_second_moment`.)
-* *e4m3* (signed moments and ratios of ``"fp8"``): the float8 e4m3 value of
-  ``448 x / s`` (448 is e4m3's largest finite value): 3 mantissa bits and a
-  range down to :math:`2^{-9}/448` of the absmax.
-* *Root map* (`ROOT`, both formats): an unsigned 8-bit float with 4 exponent
-  and 4 mantissa bits and no zero, code ``16 e + f`` the value
-  :math:`2^{e-15}(1 + f/16)/T` with :math:`T = 31/16`, so the top code is 1:
-  16 binades (a second moment over :math:`2^{-30}` of its block's largest),
-  each with 16 steps (a relative step of :math:`2^{-4}` at most).
-
-**Stochastic rounding** to bfloat16 adds 16 random bits below the bf16
-mantissa of the f32 value and truncates: the result is one of the two
-neighbouring bf16 values, the farther one with probability proportional to
-the distance, so it is unbiased. The bits are a counter-based hash
-(murmur3's 32-bit finalizer, applied twice) of a per-leaf key and the
-element's flat index: the same bits in the reference, the interpreter and
-on hardware, reproducible run to run (the TPU hardware PRNG is not emulated
-on CPU). The key mixes (seed, step, leaf), see `leaf_key`; the bits also mix a
-stream number, so one leaf's params and moments round independently.
+The codes and their maps are `pallasopt.kernels.codecs`; the random bits
+and stochastic rounding `pallasopt.kernels.rounding`.
 """
 
 from __future__ import annotations
@@ -91,9 +49,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallasopt.kernels import _compat
+from pallasopt.kernels.codecs import decode, decode_rows, encode_rows
+from pallasopt.kernels.rounding import code_bits
 
 __all__ = [
     "BLOCK",
@@ -108,7 +67,6 @@ __all__ = [
     "RootBlockwise",
     "RatioBlockwise",
     "Blockwise",
-    "E4M3_MAX",
     "is_blockwise",
     "is_float8",
     "role_of",
@@ -119,27 +77,13 @@ __all__ = [
     "rows_hold_blocks",
     "from_row_major_scales",
     "check_scales",
-    "decode",
-    "encode",
     "to_stored",
     "from_stored",
-    "encode_rows",
-    "decode_rows",
     "quantize",
     "quantize_like",
     "dequantize",
     "stored_values",
     "legacy_second_moment",
-    "map_values",
-    "root_map_values",
-    "step_key",
-    "leaf_key",
-    "split_key",
-    "join_key",
-    "element_index",
-    "random_bits",
-    "code_bits",
-    "stochastic_round_bf16",
 ]
 
 # Elements per quantization block (one f32 scale each): 8 + 32/256 bits each.
@@ -153,17 +97,6 @@ FORMATS: tuple[str, ...] = ("int8", "fp8")
 # The roles of a stored moment (module docstring).
 SIGNED, RATIO, ROOT = "signed", "ratio", "root"
 ROLES: tuple[str, ...] = (SIGNED, RATIO, ROOT)
-# Decades of the dynamic map: 10^0 .. 10^-6.
-_DECADES = 7
-_FRACTION_BITS = {True: 6, False: 7}
-# The root map: exponent and mantissa bits, and T, its largest value (the
-# largest 4 + 4 bit float, 2^0 (1 + 15/16)), which the block's absmax maps to.
-_ROOT_EXPONENT_BITS = 4
-_ROOT_MANTISSA_BITS = 4
-_ROOT_TOP = 2.0 - 2.0**-_ROOT_MANTISSA_BITS
-# Code 0 is the exponent field 127 - (2^E - 1) of an f32 with a zero mantissa.
-_ROOT_CODE_OFFSET = (127 - (2**_ROOT_EXPONENT_BITS - 1)) << _ROOT_MANTISSA_BITS
-_ROOT_DROPPED_BITS = 23 - _ROOT_MANTISSA_BITS
 
 
 class Int8Blockwise(NamedTuple):
@@ -239,8 +172,6 @@ class RatioBlockwise(NamedTuple):
 
 Blockwise = Int8Blockwise | Fp8Blockwise | RootBlockwise | RatioBlockwise
 _CLASSES = (Int8Blockwise, Fp8Blockwise, RootBlockwise, RatioBlockwise)
-# The largest finite float8_e4m3fn value: a block's absmax maps to it.
-E4M3_MAX = 448.0
 
 
 def is_blockwise(x: object) -> bool:
@@ -368,146 +299,6 @@ def scales_spec(
   return jax.sharding.PartitionSpec(*entries[:leading], None)
 
 
-def _i32(value: int) -> np.int32:
-  """A 32-bit pattern as an int32 constant (the hash works on int32 bits)."""
-  return np.uint32(value).view(np.int32)
-
-
-def _uniform(bits):
-  """A uniform f32 in [0, 1) from the high 24 of 32 random bits (int32)."""
-  return jax.lax.shift_right_logical(bits, np.int32(8)).astype(jnp.float32) * np.float32(2.0**-24)
-
-
-def _magnitude_value(j, fraction_bits: int):
-  """The map magnitude of index ``j`` (f32, integral): 0, ``q_z(f)`` or 1.
-
-  ``j`` counts the nonnegative map values from 0: below ``2^(F-6)`` it is
-  0, at ``2^(F+1)`` it is 1, and ``2^(F-z) <= j < 2^(F-z+1)`` is decade
-  ``z``, fraction ``f = j - 2^(F-z)``.
-  """
-  f_bits = fraction_bits
-  # The decade's 10^-z and 1 / 2^(F-z) by compares (no log, no gather).
-  first = f_bits - (_DECADES - 1)
-  scale = jnp.zeros_like(j)
-  inv_width = jnp.zeros_like(j)
-  for b in range(first, f_bits + 1):
-    at_least = j >= float(2**b)
-    scale = jnp.where(at_least, np.float32(10.0 ** (b - f_bits)), scale)
-    inv_width = jnp.where(at_least, np.float32(2.0**-b), inv_width)
-  # 10^-z (0.1 + 0.9 (j - 2^(F-z) + 1/2) / 2^(F-z)) = 10^-z (0.9 (j + 1/2) / 2^(F-z) - 0.8)
-  inner = scale * ((j + 0.5) * inv_width * np.float32(0.9) - np.float32(0.8))
-  top = float(2 ** (f_bits + 1))
-  return jnp.where(j >= top, 1.0, jnp.where(j < float(2**first), 0.0, inner))
-
-
-def decode(codes, signed: bool):
-  """Map values of ``codes`` (f32 holding 0..255), as f32 in [-1, 1].
-
-  ``signed``: the signed dynamic map; else the unsigned one, which held
-  second moments before 2026-11-26.
-  """
-  if signed:
-    offset = codes - 127.0
-    return jnp.where(offset < 0, -1.0, 1.0) * _magnitude_value(
-        jnp.abs(offset), _FRACTION_BITS[True]
-    )
-  return _magnitude_value(codes + 1.0, _FRACTION_BITS[False])
-
-
-def encode(x, signed: bool, bits=None):
-  """Codes (f32 holding 0..255) of the map values next to ``x``.
-
-  ``x`` is f32, normalised to [-1, 1] ([0, 1] unsigned; negatives clip to 0).
-  Without ``bits`` each value takes the nearest map value (ties towards
-  zero); with ``bits`` (int32 random bits per element) one of the two map
-  values around it, the farther with probability proportional to the
-  distance, so the expected map value is ``x``.
-  NaN encodes as 0's code: a NaN moment is carried by its block's scale.
-  """
-  f_bits = _FRACTION_BITS[signed]
-  a = jnp.abs(x) if signed else jnp.maximum(x, 0.0)
-  a = jnp.where(jnp.isnan(a), 0.0, jnp.minimum(a, 1.0))
-  zero_index = float(2 ** (f_bits - (_DECADES - 1)) - 1)
-  top = float(2 ** (f_bits + 1))
-  # The floor index: the largest j whose value is <= a, from the decade of a
-  # (a >= its first value) and the affine position inside it. Float rounding
-  # may put it one off next to a map value; the nearest of (j, j + 1) is
-  # still right then, and a stochastic choice takes the nearer one with
-  # probability ~1.
-  scale_inv = jnp.zeros_like(a)
-  width = jnp.zeros_like(a)
-  in_map = jnp.zeros(a.shape, jnp.bool_)
-  for z in range(_DECADES - 1, -1, -1):
-    first_value = np.float32(10.0**-z * (0.1 + 0.45 / 2 ** (f_bits - z)))
-    at_least = a >= first_value
-    in_map = in_map | at_least
-    scale_inv = jnp.where(at_least, np.float32(10.0**z), scale_inv)
-    width = jnp.where(at_least, float(2 ** (f_bits - z)), width)
-  position = jnp.floor((a * scale_inv + np.float32(0.8)) * width * np.float32(1 / 0.9) - 0.5)
-  low = jnp.where(in_map, jnp.clip(position, width, 2.0 * width - 1.0), zero_index)
-  high = low + 1.0
-  below, above = a - _magnitude_value(low, f_bits), _magnitude_value(high, f_bits) - a
-  if bits is None:
-    take_low = below <= above
-  else:
-    take_low = below <= _uniform(bits) * (below + above)
-  j = jnp.where(a >= 1.0, top, jnp.where(take_low, low, high))
-  if signed:
-    # The map's 1 is positive only: a negative -1 takes the largest
-    # negative value, as in bitsandbytes.
-    j = jnp.where(x < 0, jnp.minimum(j, top - 1.0), j)
-    return 127.0 + jnp.where(x < 0, -j, j)
-  return j - 1.0
-
-
-def _round_off_mantissa(x, bits, dropped: int):
-  """``x`` (f32) cut to ``23 - dropped`` mantissa bits after adding ``dropped`` random bits.
-
-  Stochastic rounding to that precision: the farther neighbour with
-  probability proportional to the distance (a carry moves the exponent, as
-  rounding up must).
-  """
-  low = (1 << dropped) - 1
-  as_int = jax.lax.bitcast_convert_type(x, jnp.int32)
-  kept = (as_int + (bits & low)) & _i32(~low & 0xFFFFFFFF)
-  return jax.lax.bitcast_convert_type(kept, jnp.float32)
-
-
-def _e4m3_grid(y, bits):
-  """``y`` (f32, |y| <= 448) on the e4m3 grid, rounded stochastically with ``bits``.
-
-  Normal e4m3 values keep 3 of f32's 23 mantissa bits: random bits fill the
-  20 dropped ones before truncating. Below 2^-6 the grid is 2^-9 apart.
-  """
-  a = jnp.abs(y)
-  normal = _round_off_mantissa(a, bits, 20)
-  subnormal = jnp.floor(a * np.float32(2.0**9) + _uniform(bits)) * np.float32(2.0**-9)
-  rounded = jnp.where(a < np.float32(2.0**-6), subnormal, normal)
-  return jnp.where(y < 0, -rounded, rounded)
-
-
-def _encode_root(x, bits):
-  """Root-map codes (f32 holding 0..255) of ``x`` in [0, 1]; stochastic with ``bits``.
-
-  The f32 bit pattern of ``T x`` with its mantissa cut to 4 bits is, past an
-  offset, the code: adding half of the dropped bits' weight rounds to
-  nearest, adding random bits rounds stochastically, both carrying into
-  the exponent as float rounding does. Values below the least code take it.
-  """
-  as_int = jax.lax.bitcast_convert_type(x * np.float32(_ROOT_TOP), jnp.int32)
-  dropped = (1 << _ROOT_DROPPED_BITS) - 1
-  nudge = (dropped + 1) // 2 if bits is None else bits & dropped
-  code = jax.lax.shift_right_logical(as_int + nudge, np.int32(_ROOT_DROPPED_BITS))
-  return jnp.clip(code - _ROOT_CODE_OFFSET, 0, 255).astype(jnp.float32)
-
-
-def _decode_root(codes):
-  """The root map's values (f32 in (0, 1]) of ``codes`` (f32 holding 0..255)."""
-  pattern = (codes.astype(jnp.int32) + _ROOT_CODE_OFFSET) << _ROOT_DROPPED_BITS
-  # A product by 1/T, not a division by T: XLA turns the division by a
-  # constant into that product on some backends, not on others.
-  return jax.lax.bitcast_convert_type(pattern, jnp.float32) * np.float32(1 / _ROOT_TOP)
-
 
 def to_stored(x, role: str, root=None):
   """The f32 values a moment ``x`` is stored as in ``role``.
@@ -530,35 +321,6 @@ def from_stored(y, role: str, root=None):
   if role == RATIO:
     return y * root
   return y
-
-
-def encode_rows(y, codec_name: str, bits=None):
-  """Blockwise codes of the rows of ``y`` (f32 ``(rows, BLOCK)``): ``(codes, absmax)``.
-
-  ``absmax`` is f32 ``(rows, 1)``. ``codes`` is f32: holding 0..255 for the
-  ``"dynamic"`` and ``"root"`` maps, for ``"e4m3"`` the scaled values, which
-  storing as float8_e4m3fn rounds (or keeps, when ``bits`` rounded them).
-  ``bits``: int32 random bits per element for stochastic rounding (`code_bits`),
-  or None for nearest. A zero block gets scale 0 (and decodes to 0).
-  """
-  absmax = jnp.max(jnp.abs(y), axis=-1, keepdims=True)
-  positive = absmax > 0
-  normalised = jnp.where(positive, y / jnp.where(positive, absmax, 1.0), 0.0)
-  if codec_name == "e4m3":
-    scaled = normalised * E4M3_MAX
-    return (scaled if bits is None else _e4m3_grid(scaled, bits)), absmax
-  if codec_name == "root":
-    return _encode_root(normalised, bits), absmax
-  return encode(normalised, True, bits), absmax
-
-
-def decode_rows(codes, absmax, codec_name: str):
-  """The f32 values of blockwise ``codes`` (loaded as f32) with their ``absmax``."""
-  if codec_name == "e4m3":
-    return codes * (absmax / E4M3_MAX)
-  if codec_name == "root":
-    return _decode_root(codes) * absmax
-  return decode(codes, True) * absmax
 
 
 def _reshape(x, shape, sharding):
@@ -716,103 +478,3 @@ def from_row_major_scales(q: Blockwise) -> Blockwise:
     return type(q)(q.codes, jnp.swapaxes(q.scales, -1, -2))
   check_scales(q)
   return q
-
-
-def map_values(signed: bool) -> np.ndarray:
-  """The 256 dynamic map values in code order (ascending), as float32."""
-  return np.asarray(jax.jit(decode, static_argnums=1)(jnp.arange(256, dtype=jnp.float32), signed))
-
-
-def root_map_values() -> np.ndarray:
-  """The 256 root map values in code order (ascending), as float32."""
-  return np.asarray(jax.jit(_decode_root)(jnp.arange(256, dtype=jnp.float32)))
-
-
-# ---- Counter-based random bits and stochastic rounding. ----
-
-_GOLDEN = 0x9E3779B9
-
-
-def _times_golden(value: int) -> np.int32:
-  return _i32((value * _GOLDEN) & 0xFFFFFFFF)
-
-
-def _fmix32(h):
-  """murmur3's 32-bit finalizer on int32 bits (logical shifts, wrapping products)."""
-  h = h ^ jax.lax.shift_right_logical(h, np.int32(16))
-  h = h * _i32(0x85EBCA6B)
-  h = h ^ jax.lax.shift_right_logical(h, np.int32(13))
-  h = h * _i32(0xC2B2AE35)
-  return h ^ jax.lax.shift_right_logical(h, np.int32(16))
-
-
-def step_key(seed, step) -> jax.Array:
-  """The int32 random key of one step, for every leaf.
-
-  Enough for blockwise codes, whose bits (`code_bits`) hash the values
-  rounded: one key for all leaves lets every kernel of a step share one
-  scalar operand (per-leaf operands cost XLA temporary memory on a TPU:
-  9.8 MiB in GPT-2 small's int8 AdamW step compiled for a v5e).
-  """
-  key = _fmix32(jnp.asarray(seed).astype(jnp.int32) ^ _times_golden(1))
-  return _fmix32(key + jnp.asarray(step).astype(jnp.int32) * _times_golden(1))
-
-
-def leaf_key(seed, step, leaf: int) -> jax.Array:
-  """The int32 random key of one leaf at one step.
-
-  `random_bits` mixes in the stream (params, first moment, ...) and each
-  element's index.
-
-  Args:
-    seed: the user's seed (an int or int32 value).
-    step: the optimizer step (the state's count; may be traced).
-    leaf: the leaf's index in the flattened params.
-  """
-  return _fmix32(step_key(seed, step) + _times_golden(leaf))
-
-
-def split_key(key) -> tuple[jax.Array, jax.Array]:
-  """A key as two f32 holding its 16-bit halves (exact): kernel scalars are f32."""
-  key = jnp.asarray(key, jnp.int32)
-  high = jax.lax.shift_right_logical(key, np.int32(16))
-  return high.astype(jnp.float32), (key & 0xFFFF).astype(jnp.float32)
-
-
-def join_key(high, low) -> jax.Array:
-  """The int32 key `split_key` split."""
-  return (high.astype(jnp.int32) << 16) | low.astype(jnp.int32)
-
-
-def element_index(shape: tuple[int, ...]) -> jax.Array:
-  """The int32 row-major flat index of every element of an array of ``shape``."""
-  return jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(shape)
-
-
-def random_bits(key, index, stream: int = 0):
-  """32 random bits (int32) per element from a key and flat element indices."""
-  h = _fmix32(index.astype(jnp.int32) ^ (key + _times_golden(stream)))
-  return _fmix32(h + key)
-
-
-def code_bits(key, values, stream: int):
-  """32 random bits (int32) per element for rounding blockwise codes of f32 ``values``.
-
-  The hash of each value's bit pattern (not of its position, as
-  `random_bits` for bf16 rounding): a shard of a leaf draws the bits the
-  whole leaf would, however the step is sharded. Over steps the key
-  changes, so each element's rounding is unbiased over time; equal values in
-  one step round alike.
-  """
-  return random_bits(key, jax.lax.bitcast_convert_type(values, jnp.int32), stream)
-
-
-def stochastic_round_bf16(x, bits):
-  """``x`` (f32) rounded stochastically to a bfloat16 value (returned as f32).
-
-  Rounds up (away from zero) with probability equal to the fraction of a
-  bf16 ulp that truncation drops, using the low 16 of ``bits``; exact on
-  bf16 values, NaN stays NaN, and magnitudes past bf16's largest finite
-  value may round to infinity, as rounding up must.
-  """
-  return jnp.where(jnp.isnan(x), x, _round_off_mantissa(x, bits, 16))

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pallasopt.kernels import quant
+from pallasopt.kernels import quant, rounding
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.kernels._elementwise import check_rounding
 from pallasopt.optim import _validation as v
@@ -194,14 +194,14 @@ def momentum_rounding(
 
   The momentum's stream (1) of leaf ``leaf`` at step ``count``, as the
   fused kernels draw it for their first moment: ``bits`` (by element index)
-  for bf16, the step's ``key`` (`quant.code_bits` hash the values) for
+  for bf16, the step's ``key`` (`rounding.code_bits` hash the values) for
   blockwise codes; nothing (to nearest) otherwise.
   """
   if state_format == "bf16":
-    key = quant.leaf_key(seed, count, leaf)
-    return {"bits": quant.random_bits(key, quant.element_index(shape), 1)}
+    key = rounding.leaf_key(seed, count, leaf)
+    return {"bits": rounding.random_bits(key, rounding.element_index(shape), 1)}
   if state_format in quant.FORMATS:
-    return {"key": quant.step_key(seed, count), "stream": 1}
+    return {"key": rounding.step_key(seed, count), "stream": 1}
   return {}
 
 
@@ -315,9 +315,9 @@ def fused_leaf_steps(
   are float32 or bfloat16 or its state is low-bit (which then needs such
   grads), else ``optax_fallback(p, g, moments, decay)`` (Optax's math in the
   leaf's dtypes, on grads already scaled by ``grad_scale``). The random key of
-  leaf ``i`` is ``quant.leaf_key(seed, count, i)`` where something rounds by
+  leaf ``i`` is ``rounding.leaf_key(seed, count, i)`` where something rounds by
   element index (bf16 moments or params), else the step's
-  ``quant.step_key(seed, count)`` (blockwise codes hash their values).
+  ``rounding.step_key(seed, count)`` (blockwise codes hash their values).
 
   Args:
     owner: the public name, for messages.
@@ -350,7 +350,7 @@ def fused_leaf_steps(
           mode == "apply" and param_rounding == "stochastic"
           and jnp.result_type(p) == jnp.bfloat16)
       key = None if not rounds else (
-          quant.leaf_key(seed, count, index) if by_index else quant.step_key(seed, count))
+          rounding.leaf_key(seed, count, index) if by_index else rounding.step_key(seed, count))
       return kernel(p, g, *ms, scalars(decay), key, decay=bool(decay), impl=impl, **options)
     if grad_scale is not None:
       g = (g * grad_scale).astype(g.dtype)

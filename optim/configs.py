@@ -29,7 +29,6 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from pallasopt.optim import _validation as v
 

@@ -46,7 +46,7 @@ import optax
 
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.optim import _validation as v
-from pallasopt.optim._base import FusedGradientTransformation, fused_update
+from pallasopt.optim._base import fused_update
 from pallasopt.optim._types import MaskOrFn
 from pallasopt.optim.configs import (
     AdafactorConfig,

@@ -77,8 +77,16 @@ def assert_trees_close(got, want, rtol=2e-6):
     assert_close(a, b, rtol, err_msg=jax.tree_util.keystr(path))
 
 
+def _code_ordinals(codes) -> np.ndarray:
+  """Codes as their ranks: uint8 codes as they are, float8 codes by their bits (sign-magnitude)."""
+  if codes.dtype == jnp.uint8:
+    return np.asarray(codes, np.int32)
+  bits = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.uint8), np.int32)
+  return np.where(bits & 0x80, -(bits & 0x7F), bits)
+
+
 def assert_nearly_same_codes(got, want):
-  """Two int8 blockwise moments computed by differently compiled code agree.
+  """Two blockwise moments computed by differently compiled code agree.
 
   Two compilations of the same f32 math may contract a multiply-add into an
   FMA differently, so a moment may differ by an f32 ulp before it is
@@ -92,8 +100,8 @@ def assert_nearly_same_codes(got, want):
   ulps, and an f32 ulp is up to ``finfo.eps`` (2**-23) of the value (seen on
   an H100: 2.5 of them).
   """
-  assert type(got) is type(want) and got.codes.dtype == want.codes.dtype == jnp.uint8
-  codes = np.abs(np.asarray(got.codes, np.int32) - np.asarray(want.codes, np.int32))
+  assert type(got) is type(want) and got.codes.dtype == want.codes.dtype
+  codes = np.abs(_code_ordinals(got.codes) - _code_ordinals(want.codes))
   assert codes.max() <= 1
   np.testing.assert_allclose(got.scales, want.scales, rtol=4 * np.finfo(np.float32).eps)
 

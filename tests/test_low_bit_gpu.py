@@ -19,7 +19,7 @@ import pytest
 from helpers import (
     assert_close, assert_nearly_same_codes, blockwise_adam_moments, random_array, tolerance,
 )
-from pallasopt.kernels import adamw as adamw_k, lion as lion_k, quant
+from pallasopt.kernels import adamw as adamw_k, lion as lion_k, quant, rounding
 from pallasopt.optim import adamw, convert_state
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +33,7 @@ def test_compiled_int8_triton_kernel_matches_reference(shape, dtype, family):
   p, g = random_array(rng, shape, dtype), random_array(rng, shape, dtype)
   m = random_array(rng, shape, jnp.float32, scale=0.1)
   v = random_array(rng, shape, jnp.float32, positive=True, scale=0.01)
-  key = quant.leaf_key(0, 3, 0)
+  key = rounding.leaf_key(0, 3, 0)
   config = dict(mode="apply", decay=True, param_rounding="stochastic")
   if family == "lion":
     s, moments = lion_k.lion_scalars(3e-4, 0.9, 0.99, 0.1), (quant.quantize(m),)

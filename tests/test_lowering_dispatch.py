@@ -22,12 +22,12 @@ from helpers import (
 from pallasopt import kernels
 from pallasopt.kernels import _by_target, _dispatch, _elementwise
 from pallasopt.kernels import adamw as adamw_k
-from pallasopt.kernels import quant
+from pallasopt.kernels import rounding
 from pallasopt.kernels._target import Target
 
 _SCALARS = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
 # Blockwise second moments and ratios round their codes stochastically.
-_KEY = quant.leaf_key(0, 3, 0)
+_KEY = rounding.leaf_key(0, 3, 0)
 
 
 def _adamw(impl):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from pallasopt.kernels import quant
+from pallasopt.kernels import codecs, quant, rounding
 
-_encode = jax.jit(quant.encode, static_argnums=1)
+_encode = jax.jit(codecs.encode, static_argnums=1)
 
 
 def _tree_map_by_construction(signed: bool) -> np.ndarray:
@@ -30,7 +30,7 @@ def _tree_map_by_construction(signed: bool) -> np.ndarray:
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_map_is_the_dynamic_tree_map(signed):
-  got = quant.map_values(signed)
+  got = codecs.map_values(signed)
   want = _tree_map_by_construction(signed)
   assert got.shape == want.shape == (256,)
   assert np.all(np.diff(got) > 0)  # codes are ranks: strictly ascending
@@ -53,7 +53,7 @@ def _nearest_error(x: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_encode_picks_the_nearest_map_value(signed):
-  table = quant.map_values(signed)
+  table = codecs.map_values(signed)
   rng = np.random.default_rng(0)
   low = -1.0 if signed else 0.0
   x = np.concatenate([
@@ -97,7 +97,7 @@ def test_blockwise_error_is_within_the_map_bound(shape, seed, log_scale):
     scales = np.swapaxes(scales, -1, -2)
   np.testing.assert_array_equal(scales.ravel(), absmax)
   block_absmax = np.repeat(absmax, quant.BLOCK)[: x.size]
-  table = quant.map_values(signed)
+  table = codecs.map_values(signed)
   normalised = np.where(block_absmax > 0, x.ravel() / np.where(block_absmax > 0, block_absmax, 1), 0)
   bound = _nearest_error(normalised, table) * block_absmax + 2**-23 * block_absmax
   err = np.abs(np.asarray(quant.dequantize(q)).ravel() - x.ravel())
@@ -138,14 +138,14 @@ def test_zero_and_nan_blocks():
 
 def test_random_bits_are_reproducible_and_separate_streams():
   index = jnp.arange(1 << 14)
-  key = quant.leaf_key(7, 3, 5)
-  a = quant.random_bits(key, index, 1)
-  np.testing.assert_array_equal(a, quant.random_bits(quant.leaf_key(7, 3, 5), index, 1))
+  key = rounding.leaf_key(7, 3, 5)
+  a = rounding.random_bits(key, index, 1)
+  np.testing.assert_array_equal(a, rounding.random_bits(rounding.leaf_key(7, 3, 5), index, 1))
   others = [
-      quant.random_bits(key, index, 2),
-      quant.random_bits(quant.leaf_key(8, 3, 5), index, 1),
-      quant.random_bits(quant.leaf_key(7, 4, 5), index, 1),
-      quant.random_bits(quant.leaf_key(7, 3, 6), index, 1),
+      rounding.random_bits(key, index, 2),
+      rounding.random_bits(rounding.leaf_key(8, 3, 5), index, 1),
+      rounding.random_bits(rounding.leaf_key(7, 4, 5), index, 1),
+      rounding.random_bits(rounding.leaf_key(7, 3, 6), index, 1),
   ]
   for b in others:
     assert np.mean(np.asarray(a) == np.asarray(b)) < 1e-3
@@ -156,8 +156,8 @@ def test_random_bits_are_reproducible_and_separate_streams():
 
 
 def test_split_key_round_trips():
-  for key in (quant.leaf_key(0, 0, 0), jnp.int32(-1), jnp.int32(2**31 - 1), jnp.int32(-(2**31))):
-    assert int(quant.join_key(*quant.split_key(key))) == int(key)
+  for key in (rounding.leaf_key(0, 0, 0), jnp.int32(-1), jnp.int32(2**31 - 1), jnp.int32(-(2**31))):
+    assert int(rounding.join_key(*rounding.split_key(key))) == int(key)
 
 
 @pytest.mark.parametrize("x", [1.0 + 2**-9 + 2**-12, -3.7e-5, 123.456, 1e-30])
@@ -167,7 +167,7 @@ def test_stochastic_rounding_is_unbiased(x):
   # roundings has standard deviation <= ulp / (2 sqrt(n)). Allow 6 of them.
   n = 1 << 16
   xs = jnp.full((n,), x, jnp.float32)
-  r = np.asarray(quant.stochastic_round_bf16(xs, quant.random_bits(quant.leaf_key(0, 1, 0), jnp.arange(n))))
+  r = np.asarray(rounding.stochastic_round_bf16(xs, rounding.random_bits(rounding.leaf_key(0, 1, 0), jnp.arange(n))))
   down = float(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16))
   lo, hi = sorted([down, float(np.nextafter(jnp.bfloat16(down), jnp.bfloat16(np.inf * np.sign(x - down or 1))))])
   ulp = hi - lo
@@ -179,7 +179,7 @@ def test_stochastic_rounding_is_unbiased(x):
 def test_stochastic_rounding_keeps_bf16_values_nan_and_inf():
   x = jnp.asarray([1.0, -2.5, 0.0, -0.0, jnp.inf, -jnp.inf, jnp.nan], jnp.float32)
   bits = jnp.full(x.shape, -1, jnp.int32)  # all ones: the largest nudge
-  r = np.asarray(quant.stochastic_round_bf16(x, bits))
+  r = np.asarray(rounding.stochastic_round_bf16(x, bits))
   np.testing.assert_array_equal(r[:6], np.asarray(x)[:6])
   assert np.signbit(r[3]) and np.isnan(r[6])
 
@@ -209,7 +209,7 @@ _LEAST_ROOT = 2.0**-15 / (31 / 16)  # the root map's least value
 
 
 def test_root_map_is_a_zero_free_unsigned_4_4_float():
-  got = quant.root_map_values()
+  got = codecs.root_map_values()
   want = np.sort([np.float32(2.0 ** (e - 15) * (1 + f / 16)) * np.float32(16 / 31)
                   for e in range(16) for f in range(16)]).astype(np.float32)
   np.testing.assert_array_equal(got, want)
@@ -225,14 +225,14 @@ def _rows(x: np.ndarray) -> jax.Array:
 
 
 def test_root_encode_picks_the_nearest_value_and_floors_at_the_least():
-  table = quant.root_map_values().astype(np.float64)
+  table = codecs.root_map_values().astype(np.float64)
   rng = np.random.default_rng(0)
   x = np.concatenate([
       rng.uniform(0, 1, 255 * 200), np.logspace(-12, 0, 255 * 20), np.zeros(255),
       np.resize(np.concatenate([table, (table[1:] + table[:-1]) / 2]), 255 * 4),
   ]).astype(np.float32)
   x = x[: x.size // 255 * 255]
-  codes, absmax = jax.jit(quant.encode_rows, static_argnums=1)(_rows(x), "root")
+  codes, absmax = jax.jit(codecs.encode_rows, static_argnums=1)(_rows(x), "root")
   codes = np.asarray(codes)[:, 1:].ravel()
   assert np.all(np.asarray(absmax) == 1) and codes.min() >= 0 and codes.max() <= 255
   got = table[codes.astype(int)]
@@ -253,15 +253,15 @@ def test_stochastic_codes_are_unbiased_and_land_next_to_the_value(codec, values)
   n = 4096
   x = np.repeat(np.asarray(values, np.float32), 255 // len(values) + 1)[:255]
   rows = _rows(np.tile(x, n))
-  keys = quant.leaf_key(3, jnp.arange(n), 1)[:, None]
-  bits = quant.code_bits(jnp.broadcast_to(keys, rows.shape), rows, 1)
+  keys = rounding.leaf_key(3, jnp.arange(n), 1)[:, None]
+  bits = rounding.code_bits(jnp.broadcast_to(keys, rows.shape), rows, 1)
   # As stored: e4m3 codes are f32 values that storing as float8 rounds (or keeps).
   stored = lambda c: c.astype(jnp.float8_e4m3fn).astype(jnp.float32) if codec == "e4m3" else c
-  codes, absmax = jax.jit(quant.encode_rows, static_argnums=1)(rows, codec, bits)
+  codes, absmax = jax.jit(codecs.encode_rows, static_argnums=1)(rows, codec, bits)
   np.testing.assert_array_equal(stored(codes), codes)  # stochastic codes are on the grid
-  got = np.asarray(quant.decode_rows(codes, absmax, codec))[:, 1:].astype(np.float64)
-  codes, absmax = quant.encode_rows(rows[:1], codec)
-  nearest = np.asarray(quant.decode_rows(stored(codes), absmax, codec))[0, 1:]
+  got = np.asarray(codecs.decode_rows(codes, absmax, codec))[:, 1:].astype(np.float64)
+  codes, absmax = codecs.encode_rows(rows[:1], codec)
+  nearest = np.asarray(codecs.decode_rows(stored(codes), absmax, codec))[0, 1:]
   for value in values:
     column = got[:, np.flatnonzero(x == np.float32(value))].ravel()
     neighbours = np.unique(column)
@@ -309,7 +309,7 @@ def test_a_ratio_decodes_with_its_roots(seed, log_scale, fmt):
   r = m / np.asarray(w)
   r_dec = np.asarray(quant.stored_values(ratio), np.float64)
   r_absmax = np.abs(r).reshape(3, 2, 256).max(-1).repeat(256).reshape(shape)
-  half_gap = (1 + float(quant.map_values(True)[0])) * r_absmax if fmt == "int8" else np.maximum(
+  half_gap = (1 + float(codecs.map_values(True)[0])) * r_absmax if fmt == "int8" else np.maximum(
       2**-4 * np.abs(r), 2**-10 * r_absmax / 448)
   assert np.all(np.abs(r_dec - r) <= half_gap + 2**-21 * r_absmax)
   bound = np.abs(r_dec - r) * w_dec + np.abs(r) * np.abs(w_dec - np.asarray(w)) + 2**-21 * np.abs(m)
@@ -323,7 +323,7 @@ def test_legacy_second_moment_reads_the_old_maps():
   scales = jnp.asarray([2.0], jnp.float32)
   got = quant.legacy_second_moment(quant.Int8Blockwise(codes, scales))
   # (Eager and jitted decodes round the map values apart, see the map test.)
-  np.testing.assert_allclose(got, quant.map_values(False) * np.float32(2.0), rtol=60 * 2**-24)
+  np.testing.assert_allclose(got, codecs.map_values(False) * np.float32(2.0), rtol=60 * 2**-24)
   assert float(got[0]) == 0.0  # the zero code the root map no longer has
   fp8 = jnp.asarray(np.linspace(0, 448, 256), jnp.float8_e4m3fn)
   np.testing.assert_allclose(
@@ -333,10 +333,10 @@ def test_legacy_second_moment_reads_the_old_maps():
 
 def test_code_bits_hash_the_value_not_its_position():
   values = jnp.asarray(np.random.default_rng(0).standard_normal(4096), jnp.float32)
-  key = quant.leaf_key(7, 3, 5)
-  bits = np.asarray(quant.code_bits(key, values, 2))
+  key = rounding.leaf_key(7, 3, 5)
+  bits = np.asarray(rounding.code_bits(key, values, 2))
   order = np.random.default_rng(1).permutation(4096)
-  np.testing.assert_array_equal(np.asarray(quant.code_bits(key, values[order], 2)), bits[order])
-  others = (quant.code_bits(key, values, 3), quant.code_bits(quant.leaf_key(7, 4, 5), values, 2))
+  np.testing.assert_array_equal(np.asarray(rounding.code_bits(key, values[order], 2)), bits[order])
+  others = (rounding.code_bits(key, values, 3), rounding.code_bits(rounding.leaf_key(7, 4, 5), values, 2))
   for other in others:
     assert np.mean(np.asarray(other) == bits) < 1e-2
