@@ -38,6 +38,7 @@ from pallasopt.pipeline.sharding import (
     replicate_factors,
     shard_factors_like_params,
 )
+from pallasopt.pipeline import sharding
 from pallasopt.pipeline.train import PipelineTrainStep, make_train_step
 
 __all__ = [
@@ -54,18 +55,5 @@ __all__ = [
     "unstack_layers",
     "PipelineTrainStep",
     "make_train_step",
-    "AutoShardingRule",
-    "CompositeShardingRule",
-    "FactorInfo",
-    "FactorRule",
-    "MemoryConstrainedShardingRule",
-    "MemoryEstimate",
-    "ShapeBasedShardingRule",
-    "ShardingAnalyzer",
-    "ShardingRule",
-    "barrier_sync",
-    "named_shardings",
-    "optimizer_state_specs",
-    "replicate_factors",
-    "shard_factors_like_params",
+    *sharding.__all__,
 ]
