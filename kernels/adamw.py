@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasopt.kernels import quant
-from pallasopt.kernels._elementwise import (
+from pallasopt.kernels._update import (
     kernel_update,
     lr_times_weight_decay,
     reference_update,
@@ -154,7 +154,7 @@ def adamw_reference(
     nesterov: use Nesterov momentum (NAdamW).
     decay: add the decoupled weight decay term.
     state_rounding: ``"nearest"`` or ``"stochastic"`` rounding of bf16
-      moments (see `_elementwise.reference_update`).
+      moments (see `_update.reference_update`).
     param_rounding: the same for bf16 params in ``"apply"`` mode.
     key: the leaf's random key, when something rounds stochastically.
   """

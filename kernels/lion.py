@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasopt.kernels import quant
-from pallasopt.kernels._elementwise import (
+from pallasopt.kernels._update import (
     kernel_update,
     lr_times_weight_decay,
     reference_update,
@@ -130,7 +130,7 @@ def lion_reference(
       ``u`` in the promoted dtype of the operands, as Optax's updates.
     decay: add the weight decay term.
     state_rounding: ``"nearest"`` or ``"stochastic"`` rounding of a bf16
-      momentum (see `_elementwise.reference_update`).
+      momentum (see `_update.reference_update`).
     param_rounding: the same for bf16 params in ``"apply"`` mode.
     key: the leaf's random key, when something rounds stochastically.
   """

@@ -17,7 +17,7 @@ where :math:`s = \min(1, \text{max\_grad\_norm} / (\lVert c\rVert + 10^{-6}))`
 clips :math:`c` by its global norm over the whole tree (a scalar the caller
 computes; 1 without clipping). The state keeps :math:`g` for the next step.
 Moments in kernel order ``(mu, nu, mog)``; modes, dtypes, 8-bit moments and
-stochastic rounding as in `_elementwise.kernel_update`. Dispatch as AdamW's:
+stochastic rounding as in `_update.kernel_update`. Dispatch as AdamW's:
 XLA on CUDA for f32/bf16 moments, the Triton kernel for 8-bit ones.
 """
 
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasopt.kernels import quant
-from pallasopt.kernels._elementwise import (
+from pallasopt.kernels._update import (
     kernel_update,
     reference_update,
     scalars_decay_rate,
@@ -137,7 +137,7 @@ def mars_reference(
     mode: ``"apply"`` returns ``(p + u, mu, nu, g)``; ``"updates"``
       ``(u, mu, nu, g)``.
     decay: add ``decay_rate * p`` to the update.
-    state_rounding, param_rounding: see `_elementwise.reference_update`.
+    state_rounding, param_rounding: see `_update.reference_update`.
   """
   return reference_update(
       _mars_math, p, g, (mu, nu, mog), scalars, mode=mode, decay=decay, roles=ROLES,

@@ -25,7 +25,7 @@ only with momentum :math:`\beta`. With ``decay=True`` (a weight-decay link
 that follows the chain, as eFormer's factory appends one), a leaf's update
 becomes :math:`u + r\,p`, ``r`` the scalars' ``decay_rate``. The moments in kernel order are
 ``(mu if centered, nu, trace if momentum)``; modes, dtypes, 8-bit moments and
-stochastic rounding are those of `_elementwise.kernel_update`.
+stochastic rounding are those of `_update.kernel_update`.
 
 Dispatch: like AdamW's (`pallasopt.kernels.adamw`), ``impl="auto"`` runs the
 XLA reference on CUDA GPUs for f32 and bf16 moments (XLA fuses this
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasopt.kernels import quant
-from pallasopt.kernels._elementwise import (
+from pallasopt.kernels._update import (
     kernel_update,
     reference_update,
     scalars_decay_rate,
@@ -166,7 +166,7 @@ def rmsprop_reference(
       ``(u, *moments)``.
     centered, eps_in_sqrt, nesterov: as `optax.rmsprop`.
     decay: add ``decay_rate * p`` to the update (see the module docstring).
-    state_rounding, param_rounding: see `_elementwise.reference_update`.
+    state_rounding, param_rounding: see `_update.reference_update`.
   """
   momentum = len(moments) == 1 + centered + 1
   return reference_update(

@@ -49,7 +49,7 @@ import optax
 
 from pallasopt.kernels import quant, rounding
 from pallasopt.kernels._dispatch import resolve_impl
-from pallasopt.kernels._elementwise import check_rounding
+from pallasopt.kernels._update import check_rounding
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
     FusedGradientTransformation,

@@ -10,7 +10,7 @@ import optax
 from pallasopt.kernels import adafactor as adafactor_kernels
 from pallasopt.kernels import quant
 from pallasopt.kernels._dispatch import resolve_impl
-from pallasopt.kernels._elementwise import store_moment
+from pallasopt.kernels._update import store_moment
 from pallasopt.optim import _validation as v
 from pallasopt.optim._elementwise_tx import (
     check_low_bit_options,

@@ -57,7 +57,7 @@ from pallasopt.kernels import _compat
 from pallasopt.kernels import newton_schulz as ns
 from pallasopt.kernels._by_target import by_target
 from pallasopt.kernels._dispatch import resolve_impl
-from pallasopt.kernels._elementwise import store_moment
+from pallasopt.kernels._update import store_moment
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import FusedGradientTransformation, advance_schedule
 from pallasopt.optim._elementwise_tx import (

@@ -330,7 +330,7 @@ _LEAF_SHAPES = [(4096, 4097), (1_000_003,), (50257, 768), (2048, 8192), (128256,
 @pytest.mark.parametrize("fmt", [None, "int8"], ids=str)
 @pytest.mark.parametrize("shape", _LEAF_SHAPES, ids=str)
 def test_leaf_shapes_compile_the_chosen_kernel(shape, fmt, chip):
-  from pallasopt.kernels import _elementwise
+  from pallasopt.kernels import _update
 
   aot_targets.require(chip)
   params = {"w": sds(shape)}
@@ -345,7 +345,7 @@ def test_leaf_shapes_compile_the_chosen_kernel(shape, fmt, chip):
       want = 1 if fmt is None or blockwise or math.prod(shape) < 4096 else 0
     elif CHIPS[chip][1] == "tpu":
       arrays = jax.tree.leaves((sds(shape), moments))
-      want = int(_elementwise.tpu_auto(moments)(arrays, Target("tpu")) == "pallas")
+      want = int(_update.tpu_auto(moments)(arrays, Target("tpu")) == "pallas")
     else:
       want = int(blockwise)
     assert kernels == want, (impl, kernels)

@@ -13,7 +13,6 @@ import numpy as np
 import optax
 import pytest
 
-import pallasopt
 from bench import workloads
 from helpers import assert_close, digits_mlp, promised_band, random_array, spread_spectrum
 from pallasopt.kernels import gram

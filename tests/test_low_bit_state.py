@@ -238,7 +238,7 @@ def _abstract_moments(shape, fmt):
 
 
 def test_auto_runs_the_triton_kernel_for_8_bit_moments_on_cuda():
-  # XLA cannot fuse the blockwise re-encoding into one pass (kernels._elementwise.cuda_auto).
+  # XLA cannot fuse the blockwise re-encoding into one pass (kernels._update.cuda_auto).
   p, key = sds((4096, 1024)), sds((), jnp.int32)
   _, mv = _abstract_moments((4096, 1024), "int8")
   scalars = adamw_k.adamw_scalars(jnp.int32(3), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)

@@ -20,7 +20,7 @@ from helpers import (
     assert_close, auto_kernels, blockwise_adam_moments, lowered_text, sds,
 )
 from pallasopt import kernels
-from pallasopt.kernels import _by_target, _dispatch, _elementwise
+from pallasopt.kernels import _by_target, _dispatch, _update
 from pallasopt.kernels import adamw as adamw_k
 from pallasopt.kernels import rounding
 from pallasopt.kernels._target import Target
@@ -144,7 +144,7 @@ def test_tpu_auto_takes_the_kernel_where_it_pays(shape, fmt, mode, kernel):
     m = v = x
   else:
     m, v = jax.eval_shape(functools.partial(blockwise_adam_moments, fmt=fmt), x, x)
-  choose = _elementwise.tpu_auto((m, v))
+  choose = _update.tpu_auto((m, v))
   assert choose(jax.tree.leaves((x, x, m, v)), Target("tpu")) == ("pallas" if kernel else "xla")
   fn = adamw_k.adamw_apply if mode == "apply" else adamw_k.adamw_updates
   text = lowered_text(functools.partial(fn, impl="auto"), ["tpu"], x, x, m, v, _SCALARS, _KEY)

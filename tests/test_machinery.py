@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 
 import pallasopt
 from pallasopt import kernels
-from pallasopt.kernels import _compat, _dispatch, _matrix, _reduction
+from pallasopt.kernels import _compat, _dispatch, _matrix
 from pallasopt.kernels import adamw as adamw_k
 from pallasopt.kernels._tiling import LANES, leaf_view, plan_blocks
 

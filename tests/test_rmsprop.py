@@ -3,7 +3,6 @@
 Optax's own alias tests run against the drop-in in tests/test_optax_suites.py.
 """
 
-import functools
 import itertools
 
 import jax
@@ -24,7 +23,7 @@ from helpers import (
     sds,
     tolerance,
 )
-from pallasopt.kernels import quant, rmsprop as rmsprop_k
+from pallasopt.kernels import rmsprop as rmsprop_k
 from pallasopt.optim import Int8Blockwise, RootBlockwise
 
 

@@ -1,0 +1,506 @@
+"""Elementwise optimizer updates: both Optax modes from one update math, and their dispatch.
+
+The families whose update is elementwise (AdamW, NAdamW, Lion, RMSProp, MARS)
+share this layer over `pallasopt.kernels._elementwise.elementwise_call`,
+`reference_update` and `kernel_update`: a family writes its *update
+math* once, ``math(scalars, p, g, *moments, decay=...) -> (u, *moments)``,
+and gets both of its modes from it, with the same dtypes and aliasing:
+
+* ``"apply"``: returns ``(p + u, *moments)``, p and the moments in place;
+* ``"updates"``: returns ``(u, *moments)`` (the Optax contract), the moments
+  in place, reading p only where weight decay needs it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallasopt.kernels import codecs, quant, rounding
+from pallasopt.kernels._dispatch import dispatch
+from pallasopt.kernels._elementwise import blocks_in_place, elementwise_call
+from pallasopt.kernels._target import Target
+from pallasopt.kernels._tiling import LANES
+
+__all__ = [
+    "UpdateMath",
+    "check_update_mode",
+    "check_rounding",
+    "ROUNDINGS",
+    "Moment",
+    "per_element",
+    "cuda_auto",
+    "tpu_auto",
+    "tiled_in_place",
+    "update_dispatch",
+    "TPU_MIN_KERNEL_SIZE",
+    "store_moment",
+    "updates_dtype",
+    "lr_times_weight_decay",
+    "scalars_decay_rate",
+    "reference_update",
+    "kernel_update",
+]
+
+UpdateMath = Callable[..., Sequence[jax.Array]]
+# One optimizer state leaf: an array (f32 or bf16) or a blockwise moment (`quant.Blockwise`).
+Moment = jax.Array | quant.Blockwise
+
+
+def check_update_mode(mode: str, p: jax.Array | None, decay: bool) -> None:
+  """``mode`` is ``"apply"`` or ``"updates"`` and ``p`` is there if it is read."""
+  if mode not in ("apply", "updates"):
+    raise ValueError(f"mode must be 'apply' or 'updates'; got {mode!r}.")
+  if p is None and (mode == "apply" or decay):
+    raise ValueError(f"p is required in {mode!r} mode{' with decay' if decay else ''}.")
+
+
+def updates_dtype(p: jax.Array | None, g: jax.Array, *moments: Moment) -> jnp.dtype:
+  """The dtype of Optax's updates: its inputs' promoted dtype (blockwise moments count as f32)."""
+  return jnp.result_type(
+      *(_moment_dtype(x) for x in (p, g, *moments) if x is not None)
+  )
+
+
+# How a result is rounded into a bfloat16 leaf.
+ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
+# Per element, the cost-estimate flops of decoding and encoding one blockwise
+# moment, and of one stochastic rounding (hash and add).
+_QUANTIZED_FLOPS = 110
+_ROUNDING_FLOPS = 20
+_STORED_AS = {quant.RATIO: "a first moment as its ratio to the second moment's root",
+              quant.ROOT: "a second moment as its square root", quant.SIGNED: "a moment as itself"}
+
+
+def check_rounding(name: str, value: object) -> str:
+  """``value`` is one of `ROUNDINGS`, else a ValueError naming ``name``."""
+  if value not in ROUNDINGS:
+    raise ValueError(f"{name} must be 'nearest' or 'stochastic'; got {value!r}.")
+  return value  # type: ignore[return-value]
+
+
+def _moment_dtype(m: Moment) -> jnp.dtype:
+  return jnp.dtype(jnp.float32) if quant.is_blockwise(m) else jnp.dtype(m.dtype)
+
+
+def _rounded_streams(
+    p, moments, *, mode: str, state_rounding: str, param_rounding: str, key
+) -> frozenset[int]:
+  """The streams a step draws by element index: 0 (bf16 params), ``1 + i`` (bf16 moment ``i``)."""
+  check_rounding("state_rounding", state_rounding)
+  check_rounding("param_rounding", param_rounding)
+  bf16 = jnp.dtype(jnp.bfloat16)
+  streams = set()
+  if mode == "apply" and param_rounding == "stochastic" and p.dtype == bf16:
+    streams.add(0)
+  if state_rounding == "stochastic":
+    streams.update(1 + i for i, m in enumerate(moments) if _moment_dtype(m) == bf16)
+  if streams and key is None:
+    raise ValueError("stochastic rounding needs a key (see rounding.leaf_key); got key=None.")
+  return frozenset(streams)
+
+
+def _coded_streams(moments, key) -> frozenset[int]:
+  """The streams ``1 + i`` of the blockwise moments, whose codes round stochastically."""
+  streams = frozenset(1 + i for i, m in enumerate(moments) if quant.is_blockwise(m))
+  if streams and key is None:
+    raise ValueError(
+        "blockwise moments round their codes stochastically: pass the leaf's random key "
+        "(see rounding.leaf_key); got key=None."
+    )
+  return streams
+
+
+def _root_partner(moments, roles: Sequence[str]) -> int | None:
+  """The index of the blockwise second moment a ratio moment is divided by, if any."""
+  if quant.ROOT not in roles:
+    return None
+  index = list(roles).index(quant.ROOT)
+  return index if quant.is_blockwise(moments[index]) else None
+
+
+def _check_blockwise(moments, roles: Sequence[str]) -> None:
+  """Each blockwise moment is stored in the role its update expects (`quant.ROLES`)."""
+  if not any(map(quant.is_blockwise, moments)):
+    return
+  if len(roles) != len(moments):
+    raise ValueError(
+        f"blockwise moments need one role per moment; got {len(roles)} for {len(moments)}."
+    )
+  ratios = [i for i, (m, r) in enumerate(zip(moments, roles))
+            if quant.is_blockwise(m) and r == quant.RATIO]
+  if ratios and _root_partner(moments, roles) is None:
+    raise ValueError(
+        f"moment {ratios[0]} is a ratio to the second moment's root, which is not blockwise."
+    )
+  for i, (m, role) in enumerate(zip(moments, roles, strict=True)):
+    if not quant.is_blockwise(m):
+      continue
+    quant.check_scales(m)
+    stored = quant.role_of(m)
+    if stored == role:
+      continue
+    if stored == quant.SIGNED:
+      raise ValueError(
+          f"moment {i} is a {type(m).__name__} where this update keeps "
+          f"{_STORED_AS[role]} ({'RootBlockwise' if role == quant.ROOT else 'RatioBlockwise'}): "
+          "a state saved by pallasopt before 2026-11-26, when second moments were stored on a "
+          "map that decodes their small entries to zero. Convert it once with "
+          "pallasopt.optim.convert_state(opt_state, params, state_format)."
+      )
+    raise ValueError(
+        f"moment {i} is a {type(m).__name__} ({_STORED_AS[stored]}); this update keeps "
+        f"{_STORED_AS[role]} there."
+    )
+
+
+def _decoded(stored: Sequence, moments, roles: Sequence[str], partner: int | None) -> list:
+  """Moment values from their stored values (blockwise ones decoded to f32)."""
+  root = stored[partner] if partner is not None else None
+  return [
+      quant.from_stored(y, roles[i], root) if quant.is_blockwise(m) else y
+      for i, (y, m) in enumerate(zip(stored, moments, strict=True))
+  ]
+
+
+def per_element(roundings: Sequence[str]) -> bool:
+  """Whether an update with these roundings may run per shard.
+
+  Rounded to nearest, every output element depends only on the same input
+  element, or, for a blockwise moment, on its own block of `quant.BLOCK`
+  elements along a row (the dispatch runs such an update per shard only
+  where every shard holds whole blocks). Stochastic rounding is not per
+  element: its random bits are drawn from an element's index in the whole
+  leaf.
+  """
+  return all(r == "nearest" for r in roundings)
+
+
+def cuda_auto(moments: Sequence[Moment]) -> str:
+  """What ``impl="auto"`` runs on a CUDA GPU for an update with these moments.
+
+  f32 and bf16 moments: the XLA reference, which fuses the update into one
+  pass (measured on an H100: the Triton kernel only tied it). Blockwise
+  (int8 or fp8) moments: the Triton kernel, because XLA cannot fuse the
+  blockwise re-encoding into the update: its compiled reference reads and
+  writes 3.5x the kernel's bytes for int8 AdamW (59.0 MB against 16.8 MB per
+  1M-element f32 leaf, XLA's cost analysis on a CPU host,
+  bench/cases_adamw.py). Neither path has been timed on a GPU yet.
+  """
+  return "pallas" if any(map(quant.is_blockwise, moments)) else "xla"
+
+
+# Below this many elements a leaf's update is too short for a TPU kernel to
+# pay: at v5e's 819 GB/s the 28 B per element of fused f32 AdamW take ~2 us
+# for 2^16 elements, about the fixed cost of a kernel; XLA fuses such leaves.
+TPU_MIN_KERNEL_SIZE = 1 << 16
+
+
+def tiled_in_place(shape: tuple[int, ...]) -> bool:
+  """Whether XLA keeps a TPU leaf of ``shape`` row-major, as a kernel takes it.
+
+  XLA lays out an array so that its ``(8, 128)`` tiles waste the least: a
+  matrix whose last dim is not a multiple of 128 may get a column-major
+  layout, e.g. (4096, 4097), and an array of three or more dims whose
+  second-last dim is not a multiple of 8 may get its dims permuted, e.g.
+  (4, 1001, 4096); a kernel would pay for either with a copy of every operand
+  and result. Vectors are tiled by 1024 elements and reach a kernel as they
+  are when they hold whole tiles. (Compiled for TPU v5e and v6e from this
+  host, jax 0.10.2.)
+  """
+  if len(shape) <= 1:
+    return math.prod(shape) % (8 * LANES) == 0
+  if len(shape) == 2:
+    rows, cols = shape
+    padded = lambda n, tile: -(-n // tile) * tile
+    return cols % LANES == 0 or (
+        padded(rows, 8) * padded(cols, LANES) <= padded(cols, 8) * padded(rows, LANES)
+    )
+  return shape[-1] % LANES == 0 and shape[-2] % 8 == 0
+
+
+def tpu_auto(moments: Sequence[Moment]) -> Callable[[Sequence[jax.Array], Target], str]:
+  """What ``impl="auto"`` runs on a TPU for an update, given the call's arrays.
+
+  The kernel (``"pallas"``) only where it moves fewer bytes than XLA in the
+  train step users compile (compiled for TPU v5e and v6e from this host:
+  `pallasopt.whole_step`, the compile tier): with blockwise (int8, fp8)
+  moments, on leaves that reach the kernel in place (`tiled_in_place` and
+  `blocks_in_place`) of at least `TPU_MIN_KERNEL_SIZE` elements. XLA cannot
+  fuse the blockwise re-encoding (its codec reads and writes the moments
+  several times), so the kernel wins in every form of the step.
+
+  With f32 or bf16 moments the XLA reference (``"xla"``): measured alone, an
+  update step moves the same bytes either way (28 B per f32 parameter for
+  AdamW), but in a train step XLA fuses the update into the output fusion
+  of each weight-gradient matmul, so the gradient never reaches HBM, while
+  a kernel (a custom call) needs it written and read back: 8 B more per
+  matrix parameter. The returned function takes the call's array leaves
+  (the local shards when it runs per shard) and the target, the same on the
+  five TPU generations of the compile tier.
+  """
+  blockwise = any(map(quant.is_blockwise, moments))
+
+  def choose(arrays: Sequence[jax.Array], target: Target) -> str:
+    del target
+    leaf = max(arrays, key=lambda x: math.prod(x.shape))
+    shape = tuple(leaf.shape)
+    pays = (
+        blockwise
+        and math.prod(shape) >= TPU_MIN_KERNEL_SIZE
+        and tiled_in_place(shape)
+        and blocks_in_place(shape)
+    )
+    return "pallas" if pays else "xla"
+
+  return choose
+
+
+def update_dispatch(
+    reference: Callable[..., tuple[Moment, ...]],
+    kernel: Callable[..., tuple[Moment, ...]],
+    impl: str,
+    moments: Sequence[Moment],
+    *,
+    roundings: Sequence[str],
+) -> Callable[..., tuple[Moment, ...]]:
+  """`_dispatch.dispatch` of an elementwise update family, with its ``"auto"`` policy.
+
+  `cuda_auto` and `tpu_auto` choose for each target; the update runs per
+  shard under a mesh where it is `per_element`. The kernel reads the
+  gradient (argument 1) in bfloat16 where the step converts it from
+  bfloat16, as a bf16 matmul's weight gradient is.
+  """
+  return dispatch(
+      reference, kernel, impl, auto_on_cuda=cuda_auto(moments),
+      auto_on_tpu=tpu_auto(moments), elementwise=per_element(roundings),
+      narrowable_args=(1,),
+  )
+
+
+def store_moment(
+    x: jax.Array, like: Moment, *, bits: jax.Array | None = None,
+    root: jax.Array | None = None, key: jax.Array | None = None, stream: int = 1,
+) -> Moment:
+  """An f32 result ``x`` stored in ``like``'s format: a moment's or the params' (XLA path).
+
+  A blockwise ``like`` gets ``x``'s blockwise codes in its role and format
+  (`quant.quantize_like`: ``root`` for a ratio, ``key`` and ``stream`` for
+  the codes that round stochastically); an array ``like`` gets ``x`` in its
+  dtype, rounded stochastically with ``bits`` (`rounding.random_bits`) when
+  given and the dtype is bfloat16, else to nearest.
+  """
+  if quant.is_blockwise(like):
+    return quant.quantize_like(x, like, root=root, key=key, stream=stream)
+  if bits is not None and like.dtype == jnp.bfloat16:
+    x = rounding.stochastic_round_bf16(x, bits)
+  return x.astype(like.dtype)
+
+
+def reference_update(
+    math: UpdateMath,
+    p: jax.Array | None,
+    g: jax.Array,
+    moments: Sequence[Moment],
+    scalars: tuple,
+    *,
+    mode: str,
+    decay: bool,
+    roles: Sequence[str] = (),
+    state_rounding: str = "nearest",
+    param_rounding: str = "nearest",
+    key: jax.Array | None = None,
+) -> tuple[Moment, ...]:
+  """Runs an update ``math`` as plain jnp: the XLA path of a family.
+
+  Args:
+    math: ``math(scalars, p, g, *moments, decay=decay) -> (u, *moments)`` on
+      f32 values (``p`` is None when it is not read).
+    p: params, or None in ``"updates"`` mode without decay.
+    g: gradient.
+    moments: the optimizer state leaves, each kept in its own format: an
+      array in its own dtype, or a blockwise moment (`quant.Blockwise`).
+    scalars: the family's NamedTuple of per-step scalars.
+    mode: ``"apply"`` returns ``(p + u, *moments)``; ``"updates"`` returns
+      ``(u, *moments)``, ``u`` in `updates_dtype`.
+    decay: whether the leaf gets weight decay.
+    roles: per moment, the role a blockwise moment is stored in
+      (`quant.SIGNED`, `quant.RATIO` or `quant.ROOT`; at most one root,
+      which the ratios divide by); needed when a moment is blockwise.
+    state_rounding: how bf16 moments are stored: ``"nearest"`` or
+      ``"stochastic"`` (`rounding.stochastic_round_bf16`). Blockwise codes
+      always round stochastically (`rounding.code_bits`).
+    param_rounding: the same for bf16 params in ``"apply"`` mode.
+    key: the leaf's int32 random key (`rounding.leaf_key`), needed when
+      anything is rounded stochastically.
+  """
+  check_update_mode(mode, p, decay)
+  _check_blockwise(moments, roles)
+  streams = _rounded_streams(
+      p, moments, mode=mode, state_rounding=state_rounding, param_rounding=param_rounding,
+      key=key,
+  )
+  _coded_streams(moments, key)
+  partner = _root_partner(moments, roles)
+  s = type(scalars)(*(jnp.asarray(x, jnp.float32) for x in scalars))
+  f32 = lambda x: None if x is None else x.astype(jnp.float32)
+  stored = [quant.stored_values(m) if quant.is_blockwise(m) else f32(m) for m in moments]
+  u, *new = math(s, f32(p), f32(g), *_decoded(stored, moments, roles, partner), decay=decay)
+  index = rounding.element_index(g.shape) if streams else None
+  bits = lambda stream: rounding.random_bits(key, index, stream) if stream in streams else None
+  if mode == "apply":
+    first = store_moment(f32(p) + u, p, bits=bits(0))
+  else:
+    first = u.astype(updates_dtype(p, g, *moments))
+  root = None if partner is None else quant.to_stored(new[partner], quant.ROOT)
+  kept = [
+      store_moment(x, m, bits=bits(1 + i), root=root, key=key, stream=1 + i)
+      for i, (x, m) in enumerate(zip(new, moments, strict=True))
+  ]
+  return (first, *kept)
+
+
+def lr_times_weight_decay(s: tuple) -> jax.Array:
+  """``-learning_rate * weight_decay``: the decay rate of a ``-lr (u + wd p)`` update."""
+  return -s.learning_rate * s.weight_decay
+
+
+def scalars_decay_rate(s: tuple) -> jax.Array:
+  """The scalars' own ``decay_rate``: the rate of a ``u + decay_rate p`` update."""
+  return s.decay_rate
+
+
+def kernel_update(
+    math: UpdateMath,
+    p: jax.Array | None,
+    g: jax.Array,
+    moments: Sequence[Moment],
+    scalars: tuple,
+    *,
+    mode: str,
+    decay: bool,
+    backend: str,
+    interpret: bool,
+    name: str,
+    flops_per_element: int,
+    transcendentals_per_element: int = 0,
+    roles: Sequence[str] = (),
+    state_rounding: str = "nearest",
+    param_rounding: str = "nearest",
+    key: jax.Array | None = None,
+    decay_rate: Callable[[tuple], jax.Array] | None = None,
+) -> tuple[Moment, ...]:
+  """`reference_update` as one fused Pallas kernel (`elementwise_call`).
+
+  The moments are aliased to their outputs (a blockwise moment's codes and
+  scales both), and in ``"apply"`` mode p too; donate them in the enclosing
+  jit to update in place. p is read only in ``"apply"`` mode, or with decay
+  where ``decay_rate`` is None. The kernel is named ``{name}_{mode}``.
+
+  ``decay_rate(scalars)``: the ``r`` of the decoupled weight decay term
+  ``r p`` that ``math`` adds with ``decay`` (``-learning_rate *
+  weight_decay`` for AdamW; Loshchilov & Hutter, 2019). Given, an f32 update
+  in ``"updates"`` mode is the kernel's ``u`` without decay plus ``r p``
+  added by XLA outside the kernel, which XLA fuses with the
+  ``optax.apply_updates`` that follows: the kernel does not read p, which
+  the apply reads anyway (4 B per f32 parameter less in a train step). The
+  sum rounds once more than ``math``'s, within an f32 ulp of its terms.
+
+  Blockwise moments are decoded, updated in f32 and re-encoded with their new
+  per-block absmax in the same pass: each block (a run of `quant.BLOCK`
+  elements, see `elementwise_call`) is a row of the body's values, its absmax
+  a row reduction. A leaf whose
+  size is not a multiple of the block (a ragged last block) runs
+  `reference_update` instead, which computes the same codes and scales.
+  Stochastic rounding draws its bits from the key and each element's flat
+  index (bf16) or stored value (blockwise codes), exactly as the reference
+  does.
+  """
+  check_update_mode(mode, p, decay)
+  _check_blockwise(moments, roles)
+  streams = _rounded_streams(
+      p, moments, mode=mode, state_rounding=state_rounding, param_rounding=param_rounding,
+      key=key,
+  )
+  coded = _coded_streams(moments, key)
+  quantized = [quant.is_blockwise(m) for m in moments]
+  if any(quantized) and g.size % quant.BLOCK:
+    return reference_update(
+        math, p, g, moments, scalars, mode=mode, decay=decay, roles=roles,
+        state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+    )
+  partner = _root_partner(moments, roles)
+  codec_names = [quant.codec_of(m) if q else None for m, q in zip(moments, quantized, strict=True)]
+  decay_outside = (mode == "updates" and decay and decay_rate is not None
+                   and updates_dtype(p, g, *moments) == jnp.float32)
+  decay_inside = decay and not decay_outside
+  with_p = p is not None and (mode == "apply" or decay_inside)
+  # Operands: g, each moment (a blockwise one as codes and scales), then p if read.
+  operands, block_inputs = [g], []
+  out_dtypes, block_outputs = [p.dtype if mode == "apply" else updates_dtype(p, g, *moments)], []
+  aliases = {}
+  for m, q in zip(moments, quantized, strict=True):
+    parts = (m.codes, m.scales) if q else (m,)
+    for part in parts:
+      aliases[len(operands)] = len(out_dtypes)
+      operands.append(part)
+      out_dtypes.append(part.dtype)
+    if q:
+      block_inputs.append(len(operands) - 1)
+      block_outputs.append(len(out_dtypes) - 1)
+  if with_p:
+    operands.append(p)
+    if mode == "apply":
+      aliases[len(operands) - 1] = 0
+  num_scalars = len(scalars)
+  extra_scalars = rounding.split_key(key) if streams or coded else ()
+
+  def body(values, g, *rest, index=None):
+    key_in = rounding.join_key(*values[num_scalars:]) if streams or coded else None
+
+    def rounded(x, stream):
+      if stream not in streams:
+        return x
+      return rounding.stochastic_round_bf16(x, rounding.random_bits(key_in, index, stream))
+
+    rest = iter(rest)
+    stored = [
+        codecs.decode_rows(next(rest), next(rest), codec_names[i]) if q else next(rest)
+        for i, q in enumerate(quantized)
+    ]
+    p = next(rest) if with_p else None
+    u, *new = math(type(scalars)(*values[:num_scalars]), p, g,
+                   *_decoded(stored, moments, roles, partner), decay=decay_inside)
+    outputs = [rounded(p + u, 0) if mode == "apply" else u]
+    root = None if partner is None else quant.to_stored(new[partner], quant.ROOT)
+    for i, (x, q) in enumerate(zip(new, quantized, strict=True)):
+      if q:
+        y = root if i == partner else quant.to_stored(x, roles[i], root)
+        outputs.extend(codecs.encode_rows(y, codec_names[i], rounding.code_bits(key_in, y, 1 + i)))
+      else:
+        outputs.append(rounded(x, 1 + i))
+    return outputs
+
+  flops = (
+      flops_per_element + _QUANTIZED_FLOPS * sum(quantized)
+      + _ROUNDING_FLOPS * (len(streams) + len(coded))
+  )
+  outs = iter(elementwise_call(
+      body, operands, (*scalars, *extra_scalars), out_dtypes,
+      backend=backend, interpret=interpret, name=f"{name}_{mode}", aliases=aliases,
+      flops_per_element=flops, transcendentals_per_element=transcendentals_per_element,
+      blockwise=any(quantized), block_inputs=block_inputs, block_outputs=block_outputs,
+      with_index=bool(streams),
+  ))
+  first = next(outs)
+  if decay_outside:
+    rate = decay_rate(type(scalars)(*(jnp.asarray(x, jnp.float32) for x in scalars)))
+    first = first + rate * p.astype(jnp.float32)
+  kept = [
+      type(m)(next(outs), next(outs)) if q else next(outs)
+      for m, q in zip(moments, quantized, strict=True)
+  ]
+  return (first, *kept)
