@@ -8,7 +8,7 @@ RMS 1.0, parameter scale, no momentum, no weight decay) with a learning rate;
 the ``momentum`` variant adds ``momentum=0.9`` (f32 accumulator) and weight
 decay on matrices.
 
-Bytes model, per pass (`pallasopt.kernels.adafactor.pass_bytes`, the
+Bytes model, per pass (`pass_bytes`, the
 leaf-sized part of the kernels' ``pl.CostEstimate``). For an f32 factored
 leaf with the defaults, the fused apply moves 8 (statistics: read g, p) + 4
 (RMS for clipping: read g) + 12 (update: read g, p; write p) = 24 B/param; an
@@ -41,10 +41,40 @@ VARIANTS = {"defaults": {}, "momentum": dict(momentum=0.9, weight_decay_rate=1e-
 MIN_DIM = 128  # Optax's default min_dim_size_to_factor
 
 
+
+def pass_bytes(
+    shape: tuple[int, ...], factored_dims: tuple[int, int] | None, *, mode: str,
+    param_dtype, grad_dtype, state_dtype=None, momentum_dtype=None,
+    clipping: bool = True, parameter_scale: bool = True, decay: bool = False,
+) -> tuple[int, ...]:
+  """HBM bytes of each pass the Pallas path makes over a leaf (the model).
+
+  One number per `pallas_call` of `pallasopt.kernels.adafactor.adafactor_kernel`, counting the leaf-sized
+  operands each pass reads and writes once (see that module's docstring); the
+  kernels' ``pl.CostEstimate`` adds the row, column and partial-sum vectors,
+  a few percent more. ``state_dtype`` (v's dtype; default the params') and
+  ``momentum_dtype`` (None: no momentum) as in `adafactor_reference`.
+  """
+  n = math.prod(shape)
+  size = lambda dtype: n * jnp.dtype(dtype).itemsize
+  p, g = size(param_dtype), size(grad_dtype)
+  v = size(state_dtype or param_dtype)
+  m = 0 if momentum_dtype is None else 2 * size(momentum_dtype)
+  out = p if mode == "apply" else size(jnp.result_type(
+      param_dtype, grad_dtype, state_dtype or param_dtype, *([momentum_dtype] if m else [])))
+  update = g + (p if mode == "apply" or decay else 0) + m + out
+  if factored_dims is not None:
+    return (g + p * parameter_scale,) + ((g,) if clipping else ()) + (update,)
+  if clipping:
+    before = (g + v + p * parameter_scale,)
+  else:
+    before = (p,) if parameter_scale else ()
+  return before + (update + 2 * v,)
+
 def _leaf_bytes(spec, stacked_axes: int, mode: str, variant: dict, decay: bool) -> int:
   dims = adafactor_k.factored_dims(spec.shape, True, MIN_DIM, stacked_axes)
   momentum = jnp.float32 if variant.get("momentum") is not None else None
-  return sum(adafactor_k.pass_bytes(
+  return sum(pass_bytes(
       spec.shape, dims, mode=mode, param_dtype=spec.dtype, grad_dtype=spec.dtype,
       momentum_dtype=momentum, decay=decay and "weight_decay_rate" in variant,
   ))

@@ -125,7 +125,6 @@ __all__ = [
     "adafactor_kernel",
     "adafactor_apply",
     "adafactor_updates",
-    "pass_bytes",
     "MIN_PARAMETER_SCALE",
 ]
 
@@ -540,36 +539,6 @@ def adafactor_kernel(
   first, *rest = (o.reshape(g.shape) for o in outs)
   state = d.state or (jnp.zeros_like(v_row), jnp.zeros_like(v_col), rest[0])
   return (first, *state, rest[-1] if momentum else None)
-
-
-def pass_bytes(
-    shape: tuple[int, ...], factored_dims: tuple[int, int] | None, *, mode: str,
-    param_dtype, grad_dtype, state_dtype=None, momentum_dtype=None,
-    clipping: bool = True, parameter_scale: bool = True, decay: bool = False,
-) -> tuple[int, ...]:
-  """HBM bytes of each pass the Pallas path makes over a leaf (the model).
-
-  One number per `pallas_call` of `adafactor_kernel`, counting the leaf-sized
-  operands each pass reads and writes once (see the module docstring); the
-  kernels' ``pl.CostEstimate`` adds the row, column and partial-sum vectors,
-  a few percent more. ``state_dtype`` (v's dtype; default the params') and
-  ``momentum_dtype`` (None: no momentum) as in `adafactor_reference`.
-  """
-  n = math.prod(shape)
-  size = lambda dtype: n * jnp.dtype(dtype).itemsize
-  p, g = size(param_dtype), size(grad_dtype)
-  v = size(state_dtype or param_dtype)
-  m = 0 if momentum_dtype is None else 2 * size(momentum_dtype)
-  out = p if mode == "apply" else size(jnp.result_type(
-      param_dtype, grad_dtype, state_dtype or param_dtype, *([momentum_dtype] if m else [])))
-  update = g + (p if mode == "apply" or decay else 0) + m + out
-  if factored_dims is not None:
-    return (g + p * parameter_scale,) + ((g,) if clipping else ()) + (update,)
-  if clipping:
-    before = (g + v + p * parameter_scale,)
-  else:
-    before = (p,) if parameter_scale else ()
-  return before + (update + 2 * v,)
 
 
 def adafactor_apply(

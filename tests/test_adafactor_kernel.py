@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 from optax._src import factorized
 
+from bench import cases_adafactor
 from helpers import FLOAT_DTYPES, SPECIAL_SHAPES, assert_close, random_array, tolerance
 from pallasopt.kernels import adafactor as adafactor_k
 
@@ -173,7 +174,7 @@ def test_passes_and_bytes_per_configuration(dims, clipping, parameter_scale, mod
   fn = functools.partial(adafactor_k.adafactor_kernel, factored_dims=dims, **config,
                          backend="tpu")
   calls = _pallas_calls(lambda *a: fn(*a, s), x, x, *state)
-  model = adafactor_k.pass_bytes(shape, dims, param_dtype=jnp.float32, grad_dtype=jnp.float32,
+  model = cases_adafactor.pass_bytes(shape, dims, param_dtype=jnp.float32, grad_dtype=jnp.float32,
                                  **config)
   assert model == tuple(b * n for b in bytes_per_param)
   # The cost estimates add the row, column and partial-sum vectors.
