@@ -36,15 +36,23 @@ XLA.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallasopt.kernels import kron
 
 __all__ = [
     "STYLES",
+    "two_dims",
+    "block_extents",
+    "padded_identity",
+    "to_blocks",
+    "from_blocks",
+    "pad_rows_to",
     "LIPSCHITZ_DECAY",
     "power_norm_bound",
     "procrustes_step",
@@ -225,3 +233,64 @@ def precondition_vectors(keys, q, L, g, *, lr, noise_scale: float, style: str):
   p = q * q * (g + noise)
   q, L = jax.vmap(lambda t1, l, q: diag_factor_step(t1, 1.0, l, q, lr, style))(p * p, L, q)
   return q, L, q * q * g
+
+
+# ---- The block layout of a layer. ----
+
+
+def two_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+  """A layer's shape as the factored ``(m, n)``, or ``(d,)`` for a vector.
+
+  A shape with one non-unit dim is a vector; more than two dims split where
+  the two products are closest (the first such split).
+  """
+  if len(shape) < 2:
+    return tuple(shape)
+  if math.prod(shape) == max(shape):
+    return (max(shape),)
+  if len(shape) == 2:
+    return tuple(shape)
+  ratios = [
+      max(math.prod(shape[:s]), math.prod(shape[s:])) / min(math.prod(shape[:s]), math.prod(shape[s:]))
+      for s in range(1, len(shape))
+  ]
+  split = 1 + int(np.argmin(ratios))
+  return (math.prod(shape[:split]), math.prod(shape[split:]))
+
+
+def block_extents(size: int, block: int) -> list[int]:
+  """The sizes of ``ceil(size / block)`` blocks covering ``size``."""
+  count = -(-size // block)
+  return [block] * (count - 1) + [size - block * (count - 1)]
+
+
+def padded_identity(block: int, valid: int, dtype, scale: float) -> jax.Array:
+  """``scale`` times the identity on the first ``valid`` of ``block`` dims."""
+  return jnp.diag((jnp.arange(block) < valid).astype(dtype)) * scale
+
+
+def to_blocks(x, block: int, *, rows: bool, cols: bool):
+  """``(B, m, n)`` zero padded and split into blocks along the chosen axes, row-major."""
+  batch, m, n = x.shape
+  pm = -(-m // block) * block if rows else m
+  pn = -(-n // block) * block if cols else n
+  x = jnp.pad(x, ((0, 0), (0, pm - m), (0, pn - n)))
+  br, bc = (block if rows else m), (block if cols else n)
+  x = x.reshape(batch, pm // br, br, pn // bc, bc).transpose(0, 1, 3, 2, 4)
+  return x.reshape(-1, br, bc)
+
+
+def from_blocks(blocks, batch: int, m: int, n: int, block: int, *, rows: bool, cols: bool):
+  """The inverse of `to_blocks`: ``(B, m, n)``."""
+  br, bc = (block if rows else m), (block if cols else n)
+  nr, nc = -(-m // br), -(-n // bc)
+  x = blocks.reshape(batch, nr, nc, br, bc).transpose(0, 1, 3, 2, 4)
+  return x.reshape(batch, nr * br, nc * bc)[:, :m, :n]
+
+
+def pad_rows_to(x, count: int, value):
+  """``x`` extended along axis 0 to ``count`` entries filled with ``value`` (a row)."""
+  extra = count - x.shape[0]
+  if extra <= 0:
+    return x
+  return jnp.concatenate([x, jnp.broadcast_to(jnp.asarray(value, x.dtype), (extra, *x.shape[1:]))])

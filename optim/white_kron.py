@@ -189,65 +189,7 @@ def keep_frozen(new: dict, old: dict, frozen: list[bool]) -> dict:
   return out
 
 
-# ---- Layout helpers. ----
-
-
-def _two_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
-  """A layer's shape as the factored ``(m, n)``, or ``(d,)`` for a vector.
-
-  A shape with one non-unit dim is a vector; more than two dims split where
-  the two products are closest (the first such split).
-  """
-  if len(shape) < 2:
-    return tuple(shape)
-  if math.prod(shape) == max(shape):
-    return (max(shape),)
-  if len(shape) == 2:
-    return tuple(shape)
-  ratios = [
-      max(math.prod(shape[:s]), math.prod(shape[s:])) / min(math.prod(shape[:s]), math.prod(shape[s:]))
-      for s in range(1, len(shape))
-  ]
-  split = 1 + int(np.argmin(ratios))
-  return (math.prod(shape[:split]), math.prod(shape[split:]))
-
-
-def _extents(size: int, block: int) -> list[int]:
-  """The sizes of ``ceil(size / block)`` blocks covering ``size``."""
-  count = -(-size // block)
-  return [block] * (count - 1) + [size - block * (count - 1)]
-
-
-def _eye(block: int, valid: int, dtype, scale: float) -> jax.Array:
-  """``scale`` times the identity on the first ``valid`` of ``block`` dims."""
-  return jnp.diag((jnp.arange(block) < valid).astype(dtype)) * scale
-
-
-def _to_blocks(x, block: int, *, rows: bool, cols: bool):
-  """``(B, m, n)`` zero padded and split into blocks along the chosen axes, row-major."""
-  batch, m, n = x.shape
-  pm = -(-m // block) * block if rows else m
-  pn = -(-n // block) * block if cols else n
-  x = jnp.pad(x, ((0, 0), (0, pm - m), (0, pn - n)))
-  br, bc = (block if rows else m), (block if cols else n)
-  x = x.reshape(batch, pm // br, br, pn // bc, bc).transpose(0, 1, 3, 2, 4)
-  return x.reshape(-1, br, bc)
-
-
-def _from_blocks(blocks, batch: int, m: int, n: int, block: int, *, rows: bool, cols: bool):
-  """The inverse of `_to_blocks`: ``(B, m, n)``."""
-  br, bc = (block if rows else m), (block if cols else n)
-  nr, nc = -(-m // br), -(-n // bc)
-  x = blocks.reshape(batch, nr, nc, br, bc).transpose(0, 1, 3, 2, 4)
-  return x.reshape(batch, nr * br, nc * bc)[:, :m, :n]
-
-
-def _pad_to(x, count: int, value):
-  """``x`` extended along axis 0 to ``count`` entries filled with ``value`` (a row)."""
-  extra = count - x.shape[0]
-  if extra <= 0:
-    return x
-  return jnp.concatenate([x, jnp.broadcast_to(jnp.asarray(value, x.dtype), (extra, *x.shape[1:]))])
+# ---- Layout helpers (the block layout itself: `pallasopt.kernels.white_kron`). ----
 
 
 def _constrain(x, axis_name: str | None):
@@ -317,7 +259,7 @@ def _white_kron(
     for leaf, scanned in zip(jax.tree.leaves(params), flags_for(params), strict=True):
       layers = _layers(leaf, scanned, stacked_axes)
       batch, shape = layers.shape[0], tuple(layers.shape[1:])
-      merged = _two_dims(shape)
+      merged = wk.two_dims(shape)
       common = dict(scanned=int(scanned), B=batch)
       if len(merged) <= 1:
         d = math.prod(shape)
@@ -328,12 +270,12 @@ def _white_kron(
         continue
       m, n = merged
       if m <= max_size_dense and n <= max_size_dense:
-        rows, cols = _extents(m, block_size), _extents(n, block_size)
+        rows, cols = wk.block_extents(m, block_size), wk.block_extents(n, block_size)
         for _ in range(batch):
           for vr in rows:
             for vc in cols:
-              dense_q_rows.append(_eye(block_size, vr, dtype, scale))
-              dense_q_cols.append(_eye(block_size, vc, dtype, scale))
+              dense_q_rows.append(wk.padded_identity(block_size, vr, dtype, scale))
+              dense_q_cols.append(wk.padded_identity(block_size, vc, dtype, scale))
               dense_valid.append((vr, vc))
         leaf_states.append(LeafState(
             kind=DENSE_PATH, **common, merged=(m, n), nr=len(rows), nc=len(cols),
@@ -349,10 +291,10 @@ def _white_kron(
       rows = jnp.array([r for r, _ in dense_valid] + [block_size] * pad, jnp.int32)
       cols = jnp.array([c for _, c in dense_valid] + [block_size] * pad, jnp.int32)
       state["dense"] = DenseState(
-          Ql=_constrain(_pad_to(jnp.stack(dense_q_rows), count + pad, eye), pipeline_axis_name),
-          Qr=_constrain(_pad_to(jnp.stack(dense_q_cols), count + pad, eye), pipeline_axis_name),
-          Ll=_constrain(_pad_to(jnp.zeros((count,), jnp.float32), count + pad, 1.0), pipeline_axis_name),
-          Lr=_constrain(_pad_to(jnp.zeros((count,), jnp.float32), count + pad, 1.0), pipeline_axis_name),
+          Ql=_constrain(wk.pad_rows_to(jnp.stack(dense_q_rows), count + pad, eye), pipeline_axis_name),
+          Qr=_constrain(wk.pad_rows_to(jnp.stack(dense_q_cols), count + pad, eye), pipeline_axis_name),
+          Ll=_constrain(wk.pad_rows_to(jnp.zeros((count,), jnp.float32), count + pad, 1.0), pipeline_axis_name),
+          Lr=_constrain(wk.pad_rows_to(jnp.zeros((count,), jnp.float32), count + pad, 1.0), pipeline_axis_name),
           valid_rows=_constrain(rows, pipeline_axis_name),
           valid_cols=_constrain(cols, pipeline_axis_name),
           valid_count=count, block_size=block_size,
@@ -364,34 +306,34 @@ def _white_kron(
     batch = common["B"]
     if diag_left and diag_right:
       stack = batch + pipeline_pad(batch)
-      ones = lambda d: _pad_to(jnp.ones((batch, d), dtype) * scale, stack, 1.0)
+      ones = lambda d: wk.pad_rows_to(jnp.ones((batch, d), dtype) * scale, stack, 1.0)
       return LeafState(
           kind=LARGE_PATH, **common, merged=(m, n), diag_left=True, diag_right=True,
           Ql=_constrain(ones(m), pipeline_axis_name), Qr=_constrain(ones(n), pipeline_axis_name),
-          Ll=_constrain(_pad_to(jnp.zeros((batch,), jnp.float32), stack, 1.0), pipeline_axis_name),
-          Lr=_constrain(_pad_to(jnp.zeros((batch,), jnp.float32), stack, 1.0), pipeline_axis_name),
+          Ll=_constrain(wk.pad_rows_to(jnp.zeros((batch,), jnp.float32), stack, 1.0), pipeline_axis_name),
+          Lr=_constrain(wk.pad_rows_to(jnp.zeros((batch,), jnp.float32), stack, 1.0), pipeline_axis_name),
           valid_rows=_constrain(jnp.full((stack,), m, jnp.int32), pipeline_axis_name),
           valid_cols=_constrain(jnp.full((stack,), n, jnp.int32), pipeline_axis_name),
           stack=stack,
       )
     blocked_rows = not diag_left  # the small dim is split into blocks
     blocked, other = (m, n) if blocked_rows else (n, m)
-    extents = _extents(blocked, block_size)
+    extents = wk.block_extents(blocked, block_size)
     count = batch * len(extents)
     stack = count + pipeline_pad(count)
     eye = jnp.eye(block_size, dtype=dtype)
-    dense = _pad_to(
-        jnp.stack([_eye(block_size, e, dtype, scale) for _ in range(batch) for e in extents]),
+    dense = wk.pad_rows_to(
+        jnp.stack([wk.padded_identity(block_size, e, dtype, scale) for _ in range(batch) for e in extents]),
         stack, eye)
-    diagonal = _pad_to(jnp.ones((count, other), dtype) * scale, stack, 1.0)
+    diagonal = wk.pad_rows_to(jnp.ones((count, other), dtype) * scale, stack, 1.0)
     block_extent = jnp.array(extents * batch + [block_size] * (stack - count), jnp.int32)
     other_extent = jnp.full((stack,), other, jnp.int32)
     return LeafState(
         kind=LARGE_PATH, **common, merged=(m, n), diag_left=diag_left, diag_right=diag_right,
         Ql=_constrain(dense if blocked_rows else diagonal, pipeline_axis_name),
         Qr=_constrain(diagonal if blocked_rows else dense, pipeline_axis_name),
-        Ll=_constrain(_pad_to(jnp.zeros((count,), jnp.float32), stack, 1.0), pipeline_axis_name),
-        Lr=_constrain(_pad_to(jnp.zeros((count,), jnp.float32), stack, 1.0), pipeline_axis_name),
+        Ll=_constrain(wk.pad_rows_to(jnp.zeros((count,), jnp.float32), stack, 1.0), pipeline_axis_name),
+        Lr=_constrain(wk.pad_rows_to(jnp.zeros((count,), jnp.float32), stack, 1.0), pipeline_axis_name),
         valid_rows=_constrain(block_extent if blocked_rows else other_extent, pipeline_axis_name),
         valid_cols=_constrain(other_extent if blocked_rows else block_extent, pipeline_axis_name),
         stack=stack,
@@ -457,8 +399,8 @@ def _white_kron(
     if dense_ids:
       ds = state["dense"]
       blocks = jnp.concatenate([
-          _to_blocks(layer_views[i], ds.block_size, rows=True, cols=True) for i in dense_ids])
-      blocks = _pad_to(blocks, ds.Ql.shape[0], 1.0)
+          wk.to_blocks(layer_views[i], ds.block_size, rows=True, cols=True) for i in dense_ids])
+      blocks = wk.pad_rows_to(blocks, ds.Ql.shape[0], 1.0)
       (ql, qr, Ll, Lr), out = step_factors(
           _DENSE_SEED, step, plr, balance_now, ds.Ql, ds.Qr, ds.Ll, ds.Lr, blocks,
           ds.valid_rows, ds.valid_cols, False, False)
@@ -467,7 +409,7 @@ def _white_kron(
       for i in dense_ids:
         st = leaf_states[i]
         count = st.B * st.nr * st.nc
-        outs[i] = _from_blocks(out[start:start + count], st.B, *st.merged, ds.block_size,
+        outs[i] = wk.from_blocks(out[start:start + count], st.B, *st.merged, ds.block_size,
                                rows=True, cols=True).reshape(leaves[i].shape)
         start += count
 
@@ -476,15 +418,15 @@ def _white_kron(
         both_diag = st.diag_left and st.diag_right
         blocked_rows, blocked_cols = (False, False) if both_diag else (
             not st.diag_left, not st.diag_right)
-        blocks = _to_blocks(layer_views[i], st.block_size or 1, rows=blocked_rows,
+        blocks = wk.to_blocks(layer_views[i], st.block_size or 1, rows=blocked_rows,
                             cols=blocked_cols)
         seed = _DIAG_SEED if both_diag else (_ROWS_SEED if blocked_rows else _COLS_SEED)
         (ql, qr, Ll, Lr), out = step_factors(
             seed, step, plr, balance_now, st.Ql, st.Qr, st.Ll, st.Lr,
-            _pad_to(blocks, st.stack, 1.0), st.valid_rows, st.valid_cols, st.diag_left,
+            wk.pad_rows_to(blocks, st.stack, 1.0), st.valid_rows, st.valid_cols, st.diag_left,
             st.diag_right)
         count = blocks.shape[0]
-        outs[i] = _from_blocks(out[:count], st.B, *st.merged, st.block_size or 1,
+        outs[i] = wk.from_blocks(out[:count], st.B, *st.merged, st.block_size or 1,
                                rows=blocked_rows, cols=blocked_cols).reshape(leaves[i].shape)
         leaf_states[i] = dataclasses.replace(st, Ql=ql, Qr=qr, Ll=Ll, Lr=Lr)
       elif st.kind == ONE_D_PATH:
