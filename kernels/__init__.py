@@ -68,13 +68,8 @@ from pallasopt.kernels.lion import (
     lion_scalars,
     lion_updates,
 )
-from pallasopt.kernels.newton_schulz import (
-    PRESETS,
-    coefficient_table,
-    newton_schulz_kernel,
-    newton_schulz_reference,
-    preset_table,
-)
+from pallasopt.kernels.newton_schulz import newton_schulz_kernel, newton_schulz_reference
+from pallasopt.kernels.ns_coefficients import PRESETS, coefficient_table, preset_table
 
 __all__ = [
     "IMPLS",

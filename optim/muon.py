@@ -55,6 +55,7 @@ from optax.contrib import _muon as _optax_muon  # its orthogonalization, for f64
 
 from pallasopt.kernels import _compat
 from pallasopt.kernels import newton_schulz as ns
+from pallasopt.kernels import ns_coefficients
 from pallasopt.kernels._by_target import by_target
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.kernels._update import store_moment
@@ -84,12 +85,12 @@ __all__ = [
 ]
 
 _OWNER = "pallasopt.optim.muon"
-_DEFAULT_NS_COEFFS = ns.PRESETS["simple"][0]
+_DEFAULT_NS_COEFFS = ns_coefficients.PRESETS["simple"][0]
 # Optax's own preset names (used with Optax's step semantics): the same
 # numbers as Emerging-Optimizers' "simple" and "quintic" tables.
 OPTAX_PRESETS: dict[str, Any] = {
     "standard": _DEFAULT_NS_COEFFS,
-    "dion": ns.PRESETS["quintic"],
+    "dion": ns_coefficients.PRESETS["quintic"],
 }
 SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
 SECOND_MOMENTS = ("adamuon", "normuon", "namo")
@@ -436,24 +437,24 @@ def _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs):
   if isinstance(ns_coeffs, str):
     if ns_coeffs in OPTAX_PRESETS:
       coeffs = np.asarray(OPTAX_PRESETS[ns_coeffs], np.float32)
-    elif ns_coeffs in ns.PRESETS:
+    elif ns_coeffs in ns_coefficients.PRESETS:
       try:
-        return ns.preset_table(ns_coeffs, ns_steps)
+        return ns_coefficients.preset_table(ns_coeffs, ns_steps)
       except ValueError as e:
         raise ValueError(f"{_OWNER}: ns_coeffs={ns_coeffs!r}, ns_steps={ns_steps!r}: {e}") from e
     elif ns_coeffs == "custom":
       if custom_ns_coeffs is None:
         raise ValueError(f"{_OWNER}: ns_coeffs='custom' needs custom_ns_coeffs.")
-      return np.asarray(ns.coefficient_table(custom_ns_coeffs, ns_steps, ns_rule or "cycle"))
+      return np.asarray(ns_coefficients.coefficient_table(custom_ns_coeffs, ns_steps, ns_rule or "cycle"))
     else:
-      names = sorted(OPTAX_PRESETS) + sorted(ns.PRESETS) + ["custom"]
+      names = sorted(OPTAX_PRESETS) + sorted(ns_coefficients.PRESETS) + ["custom"]
       raise ValueError(f"{_OWNER}: unknown ns_coeffs preset {ns_coeffs!r}; expected one of {names}.")
   else:
     coeffs = np.asarray(ns_coeffs, np.float32)
   if coeffs.ndim not in (1, 2) or coeffs.shape[-1] != 3:
     raise ValueError(f"{_OWNER}: ns_coeffs must have shape (3,) or (n, 3); got {coeffs.shape}.")
   if ns_rule is not None:
-    return np.asarray(ns.coefficient_table(coeffs, ns_steps, ns_rule))
+    return np.asarray(ns_coefficients.coefficient_table(coeffs, ns_steps, ns_rule))
   if coeffs.ndim == 2 and coeffs.shape[0] > ns_steps:
     raise ValueError(
         f"{_OWNER}: ns_coeffs has {coeffs.shape[0]} rows but ns_steps={ns_steps}; "
@@ -534,7 +535,7 @@ def muon(
 
   Extensions (keyword-only; defaults reproduce Optax):
 
-  * ``ns_coeffs`` also takes the presets of `newton_schulz.PRESETS`:
+  * ``ns_coeffs`` also takes the presets of `ns_coefficients.PRESETS`:
     ``"simple"``, ``"quintic"``, ``"polar_express"``, ``"cans"``, ``"aol"``,
     ``"deepseekv4"``, ``"cubic5"`` (Emerging-Optimizers' tables), expanded to
     ``ns_steps`` rows by the preset's rule (``repeat_last`` for
@@ -837,7 +838,7 @@ def muon(
     if traced_steps:
       results = orthogonalize(stacks, None, optax_coeffs=(muon_state.ns_coeffs, ns_steps))
     else:
-      table = ns.coefficient_table(muon_state.ns_coeffs, table_steps)
+      table = ns_coefficients.coefficient_table(muon_state.ns_coeffs, table_steps)
       results = orthogonalize(stacks, table, optax_coeffs=(table, table.shape[0]))
     nus = jax.tree.leaves(state[4].nu) if second_moment is not None else [None] * len(grads)
     new_nus, outs, start = [], [], 0

@@ -17,6 +17,7 @@ from bench import workloads
 from helpers import assert_close, digits_mlp, promised_band, random_array, spread_spectrum
 from pallasopt.kernels import gram
 from pallasopt.kernels import newton_schulz as ns
+from pallasopt.kernels import ns_coefficients
 from pallasopt.optim.muon import muon
 
 _U32 = float(jnp.finfo(jnp.float32).eps) / 2
@@ -104,7 +105,7 @@ def test_wgmma_regime_interpreted_equals_the_reference(shape, preconditioning):
   # Same bf16 iterates on both sides; they differ by f32 summation order,
   # which one bf16 rounding per step can turn into one bf16 ulp (2u of 1).
   x = random_array(np.random.default_rng(2), shape, jnp.float32)
-  t = jnp.asarray(ns.preset_table("quintic"))
+  t = jnp.asarray(ns_coefficients.preset_table("quintic"))
   kernel = jax.jit(functools.partial(
       ns.newton_schulz_kernel, preconditioning=preconditioning, iter_dtype=jnp.bfloat16,
       backend="triton", regime="wgmma", interpret=True,
@@ -126,7 +127,7 @@ def test_symmetric_reference_equals_optax(shape, preconditioning):
       x, coeffs, 5, preconditioning, 1e-8, dims))(x)
   got = jax.jit(functools.partial(
       ns.newton_schulz_reference, preconditioning=preconditioning, gram_levels=2))(
-      x, ns.coefficient_table(coeffs, 5))
+      x, ns_coefficients.coefficient_table(coeffs, 5))
   assert_close(got, want, 1e-5)
 
 
@@ -156,7 +157,7 @@ def test_bf16_iterates_keep_singular_values_in_the_band(preset, steps):
   # uncorrelated with the singular vectors moves a singular value near 1 by
   # about u, so the band is widened by 2u (u = 2^-8). Measured: at most 1.2u.
   g, scaled = spread_spectrum(np.random.default_rng(4), 128, 384)
-  table = jnp.asarray(ns.preset_table(preset, steps))
+  table = jnp.asarray(ns_coefficients.preset_table(preset, steps))
   lo, hi = promised_band(table, scaled.min(), scaled.max())
   out = jax.jit(functools.partial(ns.newton_schulz_reference, iter_dtype=jnp.bfloat16))(g, table)
   sv = np.linalg.svd(np.asarray(out, np.float64), compute_uv=False)

@@ -19,6 +19,7 @@ from optax.contrib import MuonDimensionNumbers as DN
 import pallasopt
 from helpers import assert_trees_close, random_array, step_grads
 from pallasopt.kernels import newton_schulz as ns
+from pallasopt.kernels import ns_coefficients
 from pallasopt.optim.muon import MUON_STATIC_ARGS, muon, shape_scale
 
 
@@ -170,15 +171,15 @@ def _nesterov_hat(g, beta, style="optax"):
   return beta * m / (1 - beta**2) + (1 - beta) * g / (1 - beta)
 
 
-@pytest.mark.parametrize("preset", sorted(ns.PRESETS))
+@pytest.mark.parametrize("preset", sorted(ns_coefficients.PRESETS))
 def test_every_preset_follows_its_table(preset):
   steps = {"deepseekv4": 10, "cubic5": 5}.get(preset, 3)
   w = _params()["w"]
   tx = muon(0.1, ns_coeffs=preset, ns_steps=steps, impl="xla")
   state = tx.init({"w": w})
-  np.testing.assert_array_equal(state[0]["muon"][0][0].ns_coeffs, ns.preset_table(preset, steps))
+  np.testing.assert_array_equal(state[0]["muon"][0][0].ns_coeffs, ns_coefficients.preset_table(preset, steps))
   u, _ = _first_update(tx, {"w": w}, {"w": w})
-  o = ns.newton_schulz_reference(_nesterov_hat(w, 0.95), jnp.asarray(ns.preset_table(preset, steps)))
+  o = ns.newton_schulz_reference(_nesterov_hat(w, 0.95), jnp.asarray(ns_coefficients.preset_table(preset, steps)))
   assert_trees_close(u["w"], -0.1 * math.sqrt(max(1, 24 / 16)) * o, 2e-5)
 
 
@@ -203,7 +204,7 @@ def test_scale_modes(mode, name):
   assert shape_scale(fan_in, fan_out, mode) == pytest.approx(formula)
   tx = muon(1.0, scale_mode=mode, extra_scale_factor=0.3, impl="xla")
   u, _ = _first_update(tx, {name: g}, {name: g})
-  o = ns.newton_schulz_reference(_nesterov_hat(g, 0.95), ns.coefficient_table(ns.PRESETS["simple"][0], 5))
+  o = ns.newton_schulz_reference(_nesterov_hat(g, 0.95), ns_coefficients.coefficient_table(ns_coefficients.PRESETS["simple"][0], 5))
   assert_trees_close(u[name], -0.3 * formula * o, 2e-5)
 
 
@@ -211,7 +212,7 @@ def test_lerp_momentum_has_no_bias_correction():
   g = _params()["w"]
   tx = muon(1.0, momentum="lerp", beta=0.9, impl="xla")
   u, state = _first_update(tx, {"w": g}, {"w": g})
-  o = ns.newton_schulz_reference(_nesterov_hat(g, 0.9, "lerp"), ns.coefficient_table(ns.PRESETS["simple"][0], 5))
+  o = ns.newton_schulz_reference(_nesterov_hat(g, 0.9, "lerp"), ns_coefficients.coefficient_table(ns_coefficients.PRESETS["simple"][0], 5))
   assert_trees_close(u["w"], -math.sqrt(24 / 16) * o, 2e-5)
   assert_trees_close(state[0]["muon"][0][0].mu["w"], 0.1 * g, 1e-6)
 
@@ -225,7 +226,7 @@ def test_second_moments(method, name):
             scale_mode="spectral", impl="xla")
   u, state = _first_update(tx, {name: g}, {name: g})
   hat = _nesterov_hat(g, 0.95, "lerp")
-  o = ns.newton_schulz_reference(hat, ns.coefficient_table(ns.PRESETS["simple"][0], 5))
+  o = ns.newton_schulz_reference(hat, ns_coefficients.coefficient_table(ns_coefficients.PRESETS["simple"][0], 5))
   fan_in, fan_out = g.shape
   if method == "adamuon":
     nu = (1 - beta2) * o * o
@@ -248,7 +249,7 @@ def test_qkv_split_orthogonalizes_parts_separately():
   g = random_array(rng, (fan_in, groups * sum(split)), jnp.float32)
   tx = muon(1.0, qkv_split_shapes=split, momentum="lerp", nesterov=False, beta=0.0, impl="xla")
   u, _ = _first_update(tx, {"qkv": g}, {"qkv": g})
-  table = ns.coefficient_table(ns.PRESETS["simple"][0], 5)
+  table = ns_coefficients.coefficient_table(ns_coefficients.PRESETS["simple"][0], 5)
   view = g.reshape(fan_in, groups, sum(split))
   bounds = np.cumsum((0,) + split)
   parts = []
@@ -264,7 +265,7 @@ def test_blockwise_orthogonalizes_blocks():
   g = _params()["w"]
   tx = muon(1.0, blockwise=(2, 2), momentum="lerp", nesterov=False, beta=0.0, impl="xla")
   u, _ = _first_update(tx, {"w": g}, {"w": g})
-  table = ns.coefficient_table(ns.PRESETS["simple"][0], 5)
+  table = ns_coefficients.coefficient_table(ns_coefficients.PRESETS["simple"][0], 5)
   scale = math.sqrt(max(1, 12 / 8))
   rows = [
       jnp.concatenate([ns.newton_schulz_reference(g[r:r + 8, c:c + 12], table) for c in (0, 12)], 1)

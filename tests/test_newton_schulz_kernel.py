@@ -14,6 +14,7 @@ import pytest
 
 from helpers import assert_close, promised_band, random_array, spread_spectrum
 from pallasopt.kernels import newton_schulz as ns
+from pallasopt.kernels import ns_coefficients
 
 _SIMPLE = (3.4445, -4.7750, 2.0315)
 
@@ -41,7 +42,7 @@ def test_reference_equals_optax(preconditioning, shape, table):
           x, coeffs, 5, preconditioning, 1e-8, dims
       )
   )(x)
-  got = _ns(x, ns.coefficient_table(coeffs, 5 if coeffs.ndim == 1 else None), preconditioning)
+  got = _ns(x, ns_coefficients.coefficient_table(coeffs, 5 if coeffs.ndim == 1 else None), preconditioning)
   assert_close(got, want, 1e-5)
 
 
@@ -59,7 +60,7 @@ KERNEL_CASES = [
 
 
 def _table(name, steps):
-  return jnp.asarray(ns.preset_table(name, steps))
+  return jnp.asarray(ns_coefficients.preset_table(name, steps))
 
 
 def _tolerance(dtype):
@@ -108,14 +109,14 @@ def test_singular_values_lie_in_the_promised_band(preset, steps, kernel):
 
 def test_coefficient_table_rules():
   table = np.arange(6, dtype=np.float32).reshape(2, 3)
-  assert np.array_equal(ns.coefficient_table(table, 5, "cycle"), table[[0, 1, 0, 1, 0]])
-  assert np.array_equal(ns.coefficient_table(table, 3, "repeat_last"), table[[0, 1, 1]])
-  assert np.array_equal(ns.coefficient_table(table), table)
-  assert np.array_equal(ns.coefficient_table(_SIMPLE, 2), np.asarray([_SIMPLE] * 2, np.float32))
-  pe = ns.preset_table("polar_express", 10)
-  assert np.array_equal(pe[8:], np.asarray([ns.PRESETS["polar_express"][-1]] * 2, np.float32))
-  assert np.array_equal(ns.preset_table("quintic", 10)[5:], ns.preset_table("quintic"))
-  assert len(ns.preset_table("deepseekv4")) == 10
+  assert np.array_equal(ns_coefficients.coefficient_table(table, 5, "cycle"), table[[0, 1, 0, 1, 0]])
+  assert np.array_equal(ns_coefficients.coefficient_table(table, 3, "repeat_last"), table[[0, 1, 1]])
+  assert np.array_equal(ns_coefficients.coefficient_table(table), table)
+  assert np.array_equal(ns_coefficients.coefficient_table(_SIMPLE, 2), np.asarray([_SIMPLE] * 2, np.float32))
+  pe = ns_coefficients.preset_table("polar_express", 10)
+  assert np.array_equal(pe[8:], np.asarray([ns_coefficients.PRESETS["polar_express"][-1]] * 2, np.float32))
+  assert np.array_equal(ns_coefficients.preset_table("quintic", 10)[5:], ns_coefficients.preset_table("quintic"))
+  assert len(ns_coefficients.preset_table("deepseekv4")) == 10
 
 
 def test_flop_model():
@@ -142,10 +143,10 @@ def test_regime_choice():
         # CUDA: no Triton regimes, and wgmma takes bf16 iterates only.
         (lambda x, t: ns.newton_schulz_kernel(x, t, backend="triton", regime="resident"), ValueError),
         (lambda x, t: ns.newton_schulz_kernel(x, t, backend="triton"), TypeError),
-        (lambda x, t: ns.coefficient_table(_SIMPLE), ValueError),
-        (lambda x, t: ns.coefficient_table(t, 3, "bounce"), ValueError),
-        (lambda x, t: ns.preset_table("cubic7"), ValueError),
-        (lambda x, t: ns.preset_table("cubic5", 6), ValueError),
+        (lambda x, t: ns_coefficients.coefficient_table(_SIMPLE), ValueError),
+        (lambda x, t: ns_coefficients.coefficient_table(t, 3, "bounce"), ValueError),
+        (lambda x, t: ns_coefficients.preset_table("cubic7"), ValueError),
+        (lambda x, t: ns_coefficients.preset_table("cubic5", 6), ValueError),
     ],
 )
 def test_bad_input(call, error):

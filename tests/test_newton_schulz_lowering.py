@@ -13,6 +13,7 @@ import pallasopt
 from helpers import CUSTOM_CALL, MOSAIC_GPU_CALL, lowered_text
 from pallasopt.kernels import gram
 from pallasopt.kernels import newton_schulz as ns
+from pallasopt.kernels import ns_coefficients
 from pallasopt.optim.muon import muon
 
 PLATFORMS = ["tpu", "cuda"]
@@ -135,7 +136,7 @@ def test_one_at_a_time_and_batched_orthogonalize_alike():
 
   muon_module = importlib.import_module("pallasopt.optim.muon")
 
-  table = jnp.asarray(ns.preset_table("simple", 5))
+  table = jnp.asarray(ns_coefficients.preset_table("simple", 5))
   group = [jax.random.normal(jax.random.key(i), (2, 64, 96)) for i in range(3)]
   orthogonalize = ns.newton_schulz_reference
   one = muon_module._one_at_a_time(orthogonalize, group, table)
