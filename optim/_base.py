@@ -22,11 +22,12 @@ __all__ = [
 ApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class FusedUpdate:
   """An Optax ``update`` function that carries the fused entry points.
 
-  Calling it is calling ``update``. The entry points ride on the update
+  Calling it is calling ``update``; like a function it compares and hashes by
+  identity (a learning rate may be an array) and copies as itself. The entry points ride on the update
   function rather than on the transform so that everything Optax and JAX do
   to a transform keeps them: ``copy.copy``, ``copy.deepcopy``,
   ``jax.tree.map(f, tx)``, ``tx._replace(init=...)``, and rebuilding it as a
@@ -49,6 +50,13 @@ class FusedUpdate:
 
   def __call__(self, updates, state, params=None, **extra_args):
     return self.update(updates, state, params, **extra_args)
+
+  # Copied as functions are: the same object.
+  def __copy__(self) -> "FusedUpdate":
+    return self
+
+  def __deepcopy__(self, memo) -> "FusedUpdate":
+    return self
 
 
 class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
