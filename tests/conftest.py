@@ -26,6 +26,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "ci")
 
 
 def pytest_collection_modifyitems(config, items):
+  # The compile tier's longest compiles first, longest first, so that with
+  # xdist no worker is left with one of them at the end while the other idles.
+  def minutes(item):
+    marker = item.get_closest_marker("long_compile")
+    return 0 if marker is None else marker.kwargs["minutes"]
+
+  items.sort(key=minutes, reverse=True)
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.default_backend() != 'gpu')")

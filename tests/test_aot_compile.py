@@ -389,6 +389,7 @@ def _assert_within_bounds(rows):
     assert row["xla_vs_optax"] <= bound or case == "update int8", (case, row)
 
 
+@pytest.mark.long_compile(minutes=1.5)
 @pytest.mark.parametrize("tree", ["4096x4096", "gpt2-small"])
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 def test_auto_moves_no_more_bytes_than_optax_on_tpu(chip, tree):
@@ -401,6 +402,7 @@ def test_auto_moves_no_more_bytes_than_optax_on_tpu(chip, tree):
       assert rows[case]["temp_bytes"] <= optax_temp, (case, rows[case])
 
 
+@pytest.mark.long_compile(minutes=2)
 @pytest.mark.parametrize("tree", ["4096x4096", "gpt2-small"])
 @pytest.mark.parametrize("chip", ["v4", "v5p", "tpu7x"])
 def test_every_tpu_generation_takes_a_leaf_in_place(chip, tree):
@@ -428,6 +430,7 @@ def test_other_families_read_leaves_in_place_on_tpu(name, chip):
   assert t.kernels > 0 and relayouts_at_least(t, 1 << 20) == [], t
 
 
+@pytest.mark.long_compile(minutes=3)
 @pytest.mark.parametrize("tree", ["4096x4096", "gpt2-small"])
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 def test_adafactor_moves_no_more_bytes_than_optax_on_tpu(chip, tree):
@@ -443,6 +446,7 @@ def test_adafactor_moves_no_more_bytes_than_optax_on_tpu(chip, tree):
     assert row["hbm_vs_optax"] <= 1.02 and row["temp_bytes"] == 0, row
 
 
+@pytest.mark.long_compile(minutes=5)
 # (GPT-2 small on v5e only: three compiles of its Muon step take 3.5 minutes.)
 @pytest.mark.parametrize("chip,tree", [
     ("v5e", "gpt2-small"), ("v5e", "4096x4096"), ("v6e", "4096x4096"),

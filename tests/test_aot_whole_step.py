@@ -65,6 +65,7 @@ def _platform(chip: str) -> str:
   return aot_targets.TARGETS[chip][0]
 
 
+@pytest.mark.long_compile(minutes=6.5)
 # One test per chip, so that each chip's compiles (Optax's baselines shared
 # by every form) run once, in one worker.
 @pytest.mark.parametrize("chip", ["v5e", "h100"])
