@@ -46,6 +46,7 @@ from pallasopt.compiled_traffic import (
     COMPILED_CALLS,
     INSTRUCTION,
     Traffic,
+    relayout_bytes_beyond,
     relayouts_at_least,
     traffic,
 )
@@ -497,8 +498,7 @@ def _whole_step_report(tx, args) -> int:
         f"{theirs.hbm_bytes / params:.2f}, {ours.hbm_bytes / theirs.hbm_bytes:.3f}x)")
   print(f"  peak memory: {peak / 2**20:.0f} MiB (optax.adamw: {optax_peak / 2**20:.0f} MiB, "
         f"{peak / optax_peak:.3f}x)")
-  extra = (sum(b for _, b in relayouts_at_least(ours, 1 << 20))
-           - sum(b for _, b in relayouts_at_least(theirs, 1 << 20)))
+  extra = relayout_bytes_beyond(ours, theirs)
   print(f"  relayouts of 1 MiB or more beyond Optax's step: {extra / 2**20:.1f} MiB")
   return 0
 

@@ -15,7 +15,10 @@ import math
 import re
 from typing import NamedTuple
 
-__all__ = ["COMPILED_CALLS", "INSTRUCTION", "Traffic", "traffic", "relayouts_at_least"]
+__all__ = [
+    "COMPILED_CALLS", "INSTRUCTION", "Traffic", "traffic", "relayouts_at_least",
+    "relayout_bytes_beyond",
+]
 
 # What each compiled kernel is called in a compiled module's HLO.
 COMPILED_CALLS = {
@@ -228,3 +231,9 @@ def traffic(compiled) -> Traffic:
 def relayouts_at_least(t: Traffic, nbytes: int) -> list[tuple[str, int]]:
   """The relayouts of ``t`` that move ``nbytes`` or more."""
   return [(name, b) for name, b in t.relayouts if b >= nbytes]
+
+
+def relayout_bytes_beyond(t: Traffic, baseline: Traffic, nbytes: int = 1 << 20) -> int:
+  """The bytes ``t``'s relayouts of ``nbytes`` or more move beyond ``baseline``'s (a step compiled alike)."""
+  moved = lambda traffic: sum(b for _, b in relayouts_at_least(traffic, nbytes))
+  return moved(t) - moved(baseline)

@@ -73,7 +73,7 @@ def measure(target: str, model: str, family: str = "adamw", forms=None) -> list[
   """
   import jax
 
-  from pallasopt import whole_step
+  from pallasopt import compiled_traffic, whole_step
 
   decoder = whole_step.DECODERS[model]
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(whole_step.param_shapes(decoder)))
@@ -87,15 +87,15 @@ def measure(target: str, model: str, family: str = "adamw", forms=None) -> list[
         traffic, peak = whole_step.measure(decoder, tx, target, form)
       if baseline is None and form == "update" and FAMILIES[family][1] is not None:
         optax_update = (traffic, peak)
-      relayouts = sum(b for _, b in traffic.relayouts if b >= 1 << 20)
-      baseline = baseline or (traffic, peak, relayouts)
+      baseline = baseline or (traffic, peak)
       rows.append(dict(
           model=model, family=family, form=form, case=case, params=n,
           baseline=traffic is baseline[0],
           hbm_per_param=traffic.hbm_bytes / n,
           hbm_vs_baseline=traffic.hbm_bytes / baseline[0].hbm_bytes,
           peak_mib=peak / 2**20, peak_vs_baseline=peak / baseline[1],
-          kernels=traffic.kernels, extra_relayout_mib=(relayouts - baseline[2]) / 2**20,
+          kernels=traffic.kernels,
+          extra_relayout_mib=compiled_traffic.relayout_bytes_beyond(traffic, baseline[0]) / 2**20,
       ))
       print(f"{model} {family} {form:10s} {case:22s} {rows[-1]['hbm_per_param']:7.2f} B/param "
             f"({rows[-1]['hbm_vs_baseline']:.3f}x)  peak {rows[-1]['peak_mib']:6.0f} MiB "

@@ -18,7 +18,7 @@ import pytest
 import aot_targets
 import pallasopt
 from pallasopt import whole_step
-from pallasopt.compile_check import relayouts_at_least
+from pallasopt.compiled_traffic import relayout_bytes_beyond
 
 pytestmark = pytest.mark.aot
 
@@ -81,8 +81,7 @@ def test_the_whole_step_moves_and_holds_what_the_issue_bounds(chip):
     (ours, peak), (theirs, optax_peak) = _step(chip, "int8", form), _step(chip, "optax", form)
     # Every matrix, the 5632- and 32000-wide rows included, runs the kernel.
     assert ours.kernels == _MATRICES, form
-    extra = (sum(b for _, b in relayouts_at_least(ours, 1 << 20))
-             - sum(b for _, b in relayouts_at_least(theirs, 1 << 20)))
+    extra = relayout_bytes_beyond(ours, theirs)
     assert extra < 1 << 20, (form, ours.relayouts)
     assert peak <= _INT8_PEAK[platform] * optax_peak, (form, peak, optax_peak)
     bound = _INT8_BYTES[form][platform]
