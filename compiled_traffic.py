@@ -27,7 +27,9 @@ COMPILED_CALLS = {
     "mosaic_gpu": re.compile(r'custom_call_target="mosaic_gpu[^"]*"'),
 }
 
+# Bytes per element; 4-bit types are stored two to a byte.
 _ITEMSIZE = {
+    "s4": 0.5, "u4": 0.5,
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4,
@@ -114,7 +116,8 @@ def _bytes(type_text: str, *, hbm_only: bool = True) -> int:
   for dtype, dims, layout in _ARRAY.findall(type_text):
     if hbm_only and layout and re.search(r"\bS\([1-9]", layout):
       continue
-    total += _ITEMSIZE[dtype] * _stored_elements([int(d) for d in dims.split(",") if d], layout)
+    elements = _stored_elements([int(d) for d in dims.split(",") if d], layout)
+    total += math.ceil(_ITEMSIZE[dtype] * elements)
   return total
 
 

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.records import Environment
+from pallasopt.kernels import quant
 from bench.workloads import random_tree
 
 __all__ = ["TIERS", "Settings", "StepFn", "measure", "ceiling"]
@@ -123,7 +124,7 @@ class Settings:
 
 
 def _tree_bytes(tree: Any) -> int:
-  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+  return sum(quant.stored_bytes(math.prod(x.shape), x.dtype) for x in jax.tree.leaves(tree))
 
 
 def _rotations(set_bytes: int, leaves: int, s: Settings) -> int:

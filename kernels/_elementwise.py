@@ -17,6 +17,9 @@ and `elementwise_call` does the rest, identically for every family:
   Triton;
 * loads every block as f32 and stores each output in its own dtype;
 * masks loads and stores of ragged blocks on Triton (Mosaic pads them);
+* reads and writes 4-bit codes (``uint4``, two to a byte) as they are on
+  TPU, and on Triton, which has no 4-bit type, as their bytes
+  (`codecs.as_bytes`, blocks half as wide), unpacked in the kernel;
 * aliases operands to outputs (`input_output_aliases`) so that, under a jit
   that donates them, the update happens in place;
 * attaches a `pl.CostEstimate` from per-element flops and the exact bytes
@@ -36,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallasopt.kernels import _compat, quant
+from pallasopt.kernels import _compat, codecs, quant
 from pallasopt.kernels._compat import pl, pltpu, pltriton
 from pallasopt.kernels._tiling import (
     LANES, BlockPlan, leaf_view, plan_blocks, pow2_at_least, pow2_at_most,
@@ -63,9 +66,9 @@ def bytes_moved(
   Outputs have the first operand's size unless ``out_sizes`` says otherwise.
   """
   size = math.prod(operands[0].shape)
-  read = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in operands)
+  read = sum(quant.stored_bytes(math.prod(x.shape), x.dtype) for x in operands)
   sizes = out_sizes or [size] * len(out_dtypes)
-  written = sum(n * jnp.dtype(d).itemsize for n, d in zip(sizes, out_dtypes, strict=True))
+  written = sum(quant.stored_bytes(n, d) for n, d in zip(sizes, out_dtypes, strict=True))
   return read + written
 
 
@@ -116,6 +119,7 @@ def _as_row(column):
 def _kernel(
     scalar_ref, *refs, body: Body, num_scalars: int, num_operands: int, plan: BlockPlan,
     backend: str, block_inputs: frozenset[int], block_outputs: frozenset[int],
+    nibble_inputs: frozenset[int], nibble_outputs: frozenset[int],
     blockwise: bool, in_place: bool, with_index: bool,
 ):
   in_refs, out_refs = refs[:num_operands], refs[num_operands:]
@@ -143,21 +147,30 @@ def _kernel(
     mask = (row < rows) & (col(0) < cols)
     column_mask = first_row + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0) < rows
     row_mask = first_row + jax.lax.broadcasted_iota(jnp.int32, (1, block_rows), 1) < rows
+    # Bytes of 4-bit codes: blockwise blocks are whole blocks of columns, so
+    # only rows are masked.
+    byte_mask = first_row + jax.lax.broadcasted_iota(
+        jnp.int32, (block_rows, width // 2), 0) < rows
 
-    def load(r, per_block):
+    def load(i, r):
       # Triton cannot cast a fill value to float8: masked-off lanes of an fp8
       # operand stay undefined. Blocks are masked by whole rows, and a row's
       # values reach only that row's (masked-off) stores.
       other = None if quant.is_float8(r.dtype) else 0
-      if not per_block:
+      if i in nibble_inputs:
+        return codecs.from_nibbles(
+            pltriton.load(r, mask=byte_mask, other=0).astype(jnp.float32))
+      if i not in block_inputs:
         return pltriton.load(r, mask=mask, other=other).astype(jnp.float32)
       if in_place:  # one value per row, stored as a (1, block_rows) row
         return pltriton.load(r, mask=row_mask, other=0).astype(jnp.float32).reshape(-1, 1)
       return pltriton.load(r, mask=column_mask, other=0).astype(jnp.float32)
 
-    values = body(scalars, *(load(r, i in block_inputs) for i, r in enumerate(in_refs)),
-                  **extra(0))
+    values = body(scalars, *(load(i, r) for i, r in enumerate(in_refs)), **extra(0))
     for k, (ref, value) in enumerate(zip(out_refs, values, strict=True)):
+      if k in nibble_outputs:
+        pltriton.store(ref, codecs.to_nibbles(value).astype(ref.dtype), mask=byte_mask)
+        continue
       value = value.astype(ref.dtype)
       if k not in block_outputs:
         pltriton.store(ref, value, mask=mask)
@@ -300,6 +313,12 @@ def elementwise_call(
   block_inputs, block_outputs = frozenset(block_inputs), frozenset(block_outputs)
   if (block_inputs or block_outputs) and not blockwise:
     raise ValueError(f"{name}: per-block inputs and outputs need blockwise=True.")
+  # Triton has no 4-bit type: such codes travel as their bytes.
+  as_bytes = backend == "triton" and blockwise
+  nibble_inputs = frozenset(
+      i for i, x in enumerate(operands) if as_bytes and jnp.dtype(x.dtype) == jnp.uint4)
+  nibble_outputs = frozenset(
+      k for k, d in enumerate(out_dtypes) if as_bytes and jnp.dtype(d) == jnp.uint4)
   full = [x for i, x in enumerate(operands) if i not in block_inputs]
   shape = full[0].shape
   for x in full:
@@ -315,6 +334,8 @@ def elementwise_call(
   p, r, c = plan.shape
   block_rows, block_cols = plan.block
   block = pl.BlockSpec((None, block_rows, block_cols), lambda b, i, j: (b, i, j))
+  bytes_view = (p, r, c // 2)
+  byte_block = pl.BlockSpec((None, block_rows, block_cols // 2), lambda b, i, j: (b, i, j))
   if in_place:  # the scales' layout: (P, runs per row, R)
     per_block_view = (p, c // quant.BLOCK, r)
     per_block = pl.BlockSpec(
@@ -339,19 +360,40 @@ def elementwise_call(
   kernel = functools.partial(
       _kernel, body=body, num_scalars=len(scalars), num_operands=len(operands),
       plan=plan, backend=backend, block_inputs=block_inputs, block_outputs=block_outputs,
+      nibble_inputs=nibble_inputs, nibble_outputs=nibble_outputs,
       blockwise=blockwise, in_place=in_place, with_index=with_index,
   )
+
+  def spec(k, per_block_set, nibble_set):
+    return per_block if k in per_block_set else byte_block if k in nibble_set else block
+
+  def out_struct(k, dtype):
+    if k in block_outputs:
+      return jax.ShapeDtypeStruct(per_block_view, dtype)
+    if k in nibble_outputs:
+      return jax.ShapeDtypeStruct(bytes_view, jnp.uint8)
+    return jax.ShapeDtypeStruct(plan.shape, dtype)
+
+  def operand_view(k, x):
+    if k in block_inputs:
+      return to_view(x)
+    if k in nibble_inputs:
+      return codecs.as_bytes(x.reshape(plan.shape))
+    return x.reshape(plan.shape)
+
+  def output(k, o):
+    if k in block_outputs:
+      return from_view(o)
+    return (codecs.as_nibbles(o) if k in nibble_outputs else o).reshape(shape)
+
   blocks = size // quant.BLOCK if blockwise else 0
   call = pl.pallas_call(
       kernel,
-      out_shape=[
-          jax.ShapeDtypeStruct(per_block_view if k in block_outputs else plan.shape, d)
-          for k, d in enumerate(out_dtypes)
-      ],
+      out_shape=[out_struct(k, d) for k, d in enumerate(out_dtypes)],
       grid=plan.grid,
       in_specs=[scalar_spec]
-      + [per_block if k in block_inputs else block for k in range(len(operands))],
-      out_specs=[per_block if k in block_outputs else block for k in range(len(out_dtypes))],
+      + [spec(k, block_inputs, nibble_inputs) for k in range(len(operands))],
+      out_specs=[spec(k, block_outputs, nibble_outputs) for k in range(len(out_dtypes))],
       # Operand i is pallas_call input i + 1: input 0 is the scalar vector.
       input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
       compiler_params=_compat.compiler_params(
@@ -369,14 +411,11 @@ def elementwise_call(
           ),
       ),
   )
-  views = [to_view(x) if k in block_inputs else x.reshape(plan.shape)
-           for k, x in enumerate(operands)]
+  views = [operand_view(k, x) for k, x in enumerate(operands)]
   # Compiled for TPU v5e from this host, GPT-2 small's fused AdamW moves 28.0
   # B/param in HBM either way, and cost_analysis() counts 28.0 with the
   # operands kept in HBM, 95.7 when XLA stages them through VMEM. (The
   # matrix and reduction kernels measured more HBM bytes kept there: XLA's
   # placement stays theirs.)
   outs = call(scalar_vec, *_compat.kept_in_hbm(views, backend, interpret))
-  return tuple(
-      from_view(o) if k in block_outputs else o.reshape(shape) for k, o in enumerate(outs)
-  )
+  return tuple(output(k, o) for k, o in enumerate(outs))

@@ -1,4 +1,4 @@
-"""Newton–Schulz coefficient tables: the published presets and how a table covers the steps.
+r"""Newton–Schulz coefficient tables: the published presets and how a table covers the steps.
 
 A table is ``(steps, 3)`` rows of ``(a, b, c)``, step ``k`` applying
 :math:`p_k(\sigma) = a_k\sigma + b_k\sigma^3 + c_k\sigma^5` to every singular

@@ -1,4 +1,4 @@
-r"""Low-precision optimizer state: 8-bit blockwise codes and stochastic rounding.
+r"""Low-precision optimizer state: 8-bit and 4-bit blockwise codes.
 
 One module for every family's kernel and reference. Its functions are plain
 ``jnp`` on f32 (and int32) values, so the same code runs inside a Pallas kernel
@@ -15,9 +15,11 @@ stores its absolute maximum ``s`` in f32 and each element an 8-bit code of
 
 * `SIGNED`: the moment itself (Lion's, Muon's and Adafactor's momentum,
   RMSProp's mean and trace, MARS's previous gradient): `Int8Blockwise` on the
-  signed dynamic map, or `Fp8Blockwise`;
+  signed dynamic map, `Fp8Blockwise`, or `Int4Blockwise` on the linear
+  4-bit map;
 * `ROOT`: a second moment :math:`v` as its square root :math:`w = \sqrt v`,
-  on the zero-free root map (`RootBlockwise`, both formats);
+  on a zero-free root map (`RootBlockwise`: 8 bits for ``"int8"`` and
+  ``"fp8"``, 4 bits for ``"int4"``);
 * `RATIO`: a first moment :math:`m` that an update divides by the root of a
   second moment, stored as :math:`r = m / w` with :math:`w` that second
   moment's root (0 where :math:`w = 0`), on the format's signed codes
@@ -36,6 +38,11 @@ than the truth, which can only shrink an update. Storing the ratio makes the
 update :math:`m / w` depend on the stored ratio, whose largest values (the
 largest updates) sit at the top of the map, where it is finest; where the
 stored root is off, the decoded first moment is off by the same factor.
+
+**4-bit state** (``"int4"``, after Li et al.; torchao's 4-bit optimizers):
+codes are ``uint4`` arrays of the moment's shape, which XLA stores two to a
+byte, with the same blocks and scales as 8-bit state: 0.5 + 4/256 bytes
+per element and moment.
 
 The codes and their maps are `pallasopt.kernels.codecs`; the random bits
 and stochastic rounding `pallasopt.kernels.rounding`.
@@ -64,14 +71,17 @@ __all__ = [
     "ROLES",
     "Int8Blockwise",
     "Fp8Blockwise",
+    "Int4Blockwise",
     "RootBlockwise",
     "RatioBlockwise",
     "Blockwise",
     "is_blockwise",
     "is_float8",
+    "stored_bytes",
     "role_of",
     "codec_of",
     "codec",
+    "format_of",
     "scales_shape",
     "scales_spec",
     "rows_hold_blocks",
@@ -93,7 +103,7 @@ BLOCK = 256
 # a model's bytes.
 MIN_QUANTIZED_SIZE = 4096
 # The blockwise state formats (`state_format`).
-FORMATS: tuple[str, ...] = ("int8", "fp8")
+FORMATS: tuple[str, ...] = ("int8", "fp8", "int4")
 # The roles of a stored moment (module docstring).
 SIGNED, RATIO, ROOT = "signed", "ratio", "root"
 ROLES: tuple[str, ...] = (SIGNED, RATIO, ROOT)
@@ -128,6 +138,20 @@ class Fp8Blockwise(NamedTuple):
   scales: jax.Array
 
 
+class Int4Blockwise(NamedTuple):
+  """A signed moment stored as 4-bit codes with one f32 absmax per block.
+
+  Attributes:
+    codes: uint4, the moment's shape (two to a byte in memory): ``k + 8``
+      for the linear map's value ``k / 7`` of each element over its block's
+      absmax.
+    scales: f32 absmax per block of `BLOCK` elements, as `Int8Blockwise`'s.
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+
+
 def _read_as_codes_and_scales(cls: type) -> type:
   """A blockwise class whose fields are named apart, read as ``codes`` and ``scales`` too."""
   cls.codes = property(lambda self: self[0], doc="The codes (the first field).")
@@ -144,8 +168,8 @@ class RootBlockwise(NamedTuple):
   into this state unnoticed.
 
   Attributes:
-    root_codes: uint8, the moment's shape: the root map's code of each
-      element's root over its block's absmax.
+    root_codes: uint8 (uint4 for ``"int4"``), the moment's shape: the root
+      map's code of each element's root over its block's absmax.
     root_scales: f32, the absmax of the root in each block, shaped by
       `scales_shape`.
   """
@@ -160,8 +184,8 @@ class RatioBlockwise(NamedTuple):
 
   Attributes:
     ratio_codes: the moment's shape: uint8 codes on the signed dynamic map
-      (``"int8"``) or float8 e4m3 values (``"fp8"``) of ``m / w`` over its
-      block's absmax.
+      (``"int8"``), float8 e4m3 values (``"fp8"``) or uint4 codes on the
+      linear 4-bit map (``"int4"``) of ``m / w`` over its block's absmax.
     ratio_scales: f32, the absmax of the ratio in each block, shaped by
       `scales_shape`.
   """
@@ -170,13 +194,20 @@ class RatioBlockwise(NamedTuple):
   ratio_scales: jax.Array
 
 
-Blockwise = Int8Blockwise | Fp8Blockwise | RootBlockwise | RatioBlockwise
-_CLASSES = (Int8Blockwise, Fp8Blockwise, RootBlockwise, RatioBlockwise)
+Blockwise = Int8Blockwise | Fp8Blockwise | Int4Blockwise | RootBlockwise | RatioBlockwise
+_CLASSES = (Int8Blockwise, Fp8Blockwise, Int4Blockwise, RootBlockwise, RatioBlockwise)
 
 
 def is_blockwise(x: object) -> bool:
   """Whether ``x`` is a blockwise-quantized moment (any role and format)."""
   return isinstance(x, _CLASSES)
+
+
+def stored_bytes(count: int, dtype) -> int:
+  """The bytes ``count`` elements of ``dtype`` take in HBM: 4-bit types two to a byte."""
+  if jnp.dtype(dtype) in (jnp.dtype(jnp.uint4), jnp.dtype(jnp.int4)):
+    return -(-count // 2)
+  return count * jnp.dtype(dtype).itemsize
 
 
 def is_float8(dtype) -> bool:
@@ -191,22 +222,31 @@ def role_of(q: Blockwise) -> str:
   return RATIO if isinstance(q, RatioBlockwise) else SIGNED
 
 
+# The map of each format's signed codes (moments and ratios) and roots.
+_SIGNED_CODEC = {"int8": "dynamic", "fp8": "e4m3", "int4": "linear4"}
+_ROOT_CODEC = {"int8": "root", "fp8": "root", "int4": "root4"}
+
+
 def codec(role: str, fmt: str) -> str:
-  """The map of a role in a format: ``"dynamic"``, ``"e4m3"`` or ``"root"``."""
+  """The map of a role in a format: ``"dynamic"``, ``"e4m3"``, ``"root"``, ``"linear4"`` or ``"root4"``."""
   if role not in ROLES:
     raise ValueError(f"role must be one of {ROLES}; got {role!r}.")
   if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {FORMATS}; got {fmt!r}.")
-  if role == ROOT:
-    return "root"
-  return "e4m3" if fmt == "fp8" else "dynamic"
+  return (_ROOT_CODEC if role == ROOT else _SIGNED_CODEC)[fmt]
+
+
+def format_of(q: Blockwise) -> str:
+  """The `FORMATS` entry a blockwise moment is stored in, read from its codes' dtype."""
+  dtype = jnp.dtype(q.codes.dtype)
+  if dtype == jnp.uint4:
+    return "int4"
+  return "fp8" if is_float8(dtype) else "int8"
 
 
 def codec_of(q: Blockwise) -> str:
   """The map a blockwise moment's codes are on (see `codec`)."""
-  if isinstance(q, RootBlockwise):
-    return "root"
-  return "e4m3" if is_float8(q.codes.dtype) else "dynamic"
+  return codec(role_of(q), format_of(q))
 
 
 def _class(role: str, fmt: str) -> type:
@@ -214,7 +254,7 @@ def _class(role: str, fmt: str) -> type:
     return RootBlockwise
   if role == RATIO:
     return RatioBlockwise
-  return Fp8Blockwise if fmt == "fp8" else Int8Blockwise
+  return {"int8": Int8Blockwise, "fp8": Fp8Blockwise, "int4": Int4Blockwise}[fmt]
 
 
 def rows_hold_blocks(shape: tuple[int, ...]) -> bool:
@@ -370,7 +410,10 @@ def _from_block_rows(rows, like):
   return _reshape(rows, like.shape, _sharding(like))
 
 
-_CODE_DTYPES = {"dynamic": jnp.uint8, "root": jnp.uint8, "e4m3": jnp.float8_e4m3fn}
+_CODE_DTYPES = {
+    "dynamic": jnp.uint8, "root": jnp.uint8, "e4m3": jnp.float8_e4m3fn,
+    "linear4": jnp.uint4, "root4": jnp.uint4,
+}
 
 
 def quantize(
@@ -382,7 +425,7 @@ def quantize(
   Args:
     x: the moment's f32 values.
     role: `SIGNED`, `RATIO` or `ROOT` (module docstring).
-    fmt: ``"int8"`` or ``"fp8"``.
+    fmt: one of `FORMATS`.
     root: for `RATIO`, the f32 root of the second moment ``x`` is divided by.
     key: the leaf's random key (`leaf_key`): the codes round stochastically
       with `code_bits` of ``stream``. Without it they round to nearest (a
@@ -405,8 +448,7 @@ def quantize_like(
     key: jax.Array | None = None, stream: int = 1,
 ) -> Blockwise:
   """`quantize` of ``x`` in the role and format of the blockwise moment ``like``."""
-  fmt = "fp8" if codec_of(like) == "e4m3" else "int8"
-  return quantize(x, role=role_of(like), fmt=fmt, root=root, key=key, stream=stream)
+  return quantize(x, role=role_of(like), fmt=format_of(like), root=root, key=key, stream=stream)
 
 
 def stored_values(q: Blockwise) -> jax.Array:

@@ -17,13 +17,14 @@ fused ``apply_gradients``. A family supplies only its kernels and how to build
 its per-step scalars.
 
 Low-bit state (``state_format``): ``"bf16"`` stores the moments in bfloat16,
-rounded stochastically on every store; ``"int8"`` (``"fp8"``) stores each
+rounded stochastically on every store; ``"int8"`` (``"fp8"``, ``"int4"``) stores each
 moment of a leaf with at least `quant.MIN_QUANTIZED_SIZE` elements blockwise
 (`quant`): codes and per-block absmax, inside Optax's own state NamedTuple,
 in place of the array, a second moment as its root (`quant.RootBlockwise`),
 a first moment that is divided by it as their ratio
 (`quant.RatioBlockwise`), others as themselves (`quant.Int8Blockwise`,
-`quant.Fp8Blockwise`); the moments of smaller leaves stay f32.
+`quant.Fp8Blockwise`, `quant.Int4Blockwise`); the moments of smaller leaves
+stay f32.
 Both apply to leaves whose params are float32 or bfloat16; any other leaf
 keeps Optax's state. ``param_rounding="stochastic"`` rounds bf16 params
 stochastically in the fused apply. The random bits hash (``seed``, step,
@@ -78,7 +79,7 @@ __all__ = [
     "fused_leaf_steps",
 ]
 
-STATE_FORMATS: tuple[str | None, ...] = (None, "bf16", "int8", "fp8")
+STATE_FORMATS: tuple[str | None, ...] = (None, "bf16", *quant.FORMATS)
 
 
 def is_quantized(x: Any) -> bool:
@@ -90,7 +91,7 @@ def check_state_format(owner: str, state_format: Any, mu_dtype: jnp.dtype | None
   """``state_format`` is one of `STATE_FORMATS` and does not contradict ``mu_dtype``."""
   if state_format not in STATE_FORMATS:
     raise ValueError(
-        f"{owner}: state_format must be None, 'bf16', 'int8' or 'fp8'; got {state_format!r}."
+        f"{owner}: state_format must be one of {STATE_FORMATS}; got {state_format!r}."
     )
   if state_format is not None and mu_dtype is not None and not (
       state_format == "bf16" and mu_dtype == jnp.bfloat16
@@ -109,7 +110,7 @@ def stored_moment(
 
   ``None``, and leaves whose params are not float32 or bfloat16: ``dtype``
   (default: the param's), as Optax's init. ``"bf16"``: bfloat16 (rounded to
-  nearest here; the steps round stochastically). ``"int8"`` and ``"fp8"``:
+  nearest here; the steps round stochastically). ``"int8"``, ``"fp8"`` and ``"int4"``:
   blockwise in ``role`` (`quant.quantize`, rounded to nearest here; a
   `quant.RATIO` needs ``root``, the f32 root of its second moment); f32 for
   leaves under `quant.MIN_QUANTIZED_SIZE` elements.
@@ -206,7 +207,7 @@ def momentum_rounding(
 
 
 def moment_arrays(tree: Any) -> Any:
-  """A moment tree with each 8-bit moment replaced by its codes (the param's shape)."""
+  """A moment tree with each blockwise moment replaced by its codes (the param's shape)."""
   return jax.tree.map(lambda m: m.codes if is_quantized(m) else m, tree, is_leaf=is_quantized)
 
 
@@ -411,7 +412,7 @@ def elementwise_transform(
     optax_scaling: Optax's ``scale_by_X`` with the same hyperparameters, run
       on the leaves whose dtypes no kernel takes.
     roles: per moment, how a blockwise one is stored (`quant.ROLES`).
-    state_format: ``None``, ``"bf16"``, ``"int8"`` or ``"fp8"`` (module docstring).
+    state_format: ``None``, ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"`` (module docstring).
     param_rounding: ``"nearest"`` or ``"stochastic"``, for bf16 params in
       ``apply_gradients``.
     seed: the seed of the stochastic roundings (None: 0).

@@ -100,7 +100,7 @@ def adamw(
       returning one) selecting the leaves that decay.
     nesterov: use Nesterov momentum (NAdamW).
     state_format: how the moments are stored (`low-bit state`_): ``None``
-      (Optax's state), ``"bf16"``, ``"int8"`` or ``"fp8"``.
+      (Optax's state), ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
     param_rounding: ``"nearest"`` or ``"stochastic"``: how
       ``apply_gradients`` rounds bfloat16 params. ``update`` returns
       updates, which ``optax.apply_updates`` rounds to nearest, so with

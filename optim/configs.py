@@ -109,7 +109,7 @@ class AdamWConfig(SerializationMixin):
     eps_root: added inside the square root.
     mu_dtype: dtype of the first moment (None: the params' dtype).
     nesterov: Nesterov momentum (NAdamW); not in eFormer's config.
-    state_format: storage of the moments: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
+    state_format: storage of the moments: None, ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
     param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
     seed: seed of the stochastic roundings (None: 0).
   """
@@ -138,7 +138,7 @@ class LionConfig(SerializationMixin):
       default 1e-3 in place (on top of the factory's ``weight_decay`` link),
       so runs trained with eFormer used it; 1e-3 here reproduces them, 0
       turns it off.
-    state_format: storage of the momentum: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
+    state_format: storage of the momentum: None, ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
     param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
     seed: seed of the stochastic roundings (None: 0).
   """
@@ -166,7 +166,7 @@ class RMSPropConfig(SerializationMixin):
     nesterov: Nesterov momentum.
     eps: added inside the square root.
     centered: subtract the squared mean gradient (not in eFormer's).
-    state_format: storage of the state: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
+    state_format: storage of the state: None, ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
     param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
     seed: seed of the stochastic roundings (None: 0).
   """
@@ -198,7 +198,7 @@ class MarsConfig(SerializationMixin):
     epsilon: added to the denominator.
     max_grad_norm: global-norm clip of the variance-reduced gradient (None
       or 0: off).
-    state_format: storage of the moments: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
+    state_format: storage of the moments: None, ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
     param_rounding: ``"nearest"`` or ``"stochastic"`` for bf16 params.
     seed: seed of the stochastic roundings (None: 0).
   """
@@ -233,7 +233,7 @@ class AdafactorConfig(SerializationMixin):
     weight_decay_rate: decoupled weight decay (None: none).
     eps: regulariser of the second moment.
     factored: factor the second moment of matrices.
-    state_format: storage of the momentum: None, ``"bf16"``, ``"int8"`` or ``"fp8"``.
+    state_format: storage of the momentum: None, ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
     seed: seed of the stochastic roundings (None: 0).
   """
 

@@ -72,7 +72,7 @@ def lion(
     mask: which leaves decay: bools in the params' tree (or a prefix of it),
       or a function of the params that returns them.
     state_format: how the momentum is stored: ``None`` (Optax's state),
-      ``"bf16"``, ``"int8"`` or ``"fp8"``.
+      ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
     param_rounding: ``"nearest"`` or ``"stochastic"``: how
       ``apply_gradients`` rounds bfloat16 params. ``update`` returns
       updates, which ``optax.apply_updates`` rounds to nearest, so with

@@ -159,7 +159,7 @@ def mars(
     max_grad_norm: global-norm clip of the variance-reduced gradient (0 or
       None: off).
     mu_dtype: dtype of ``mu`` and ``mog`` (None: the params').
-    state_format: ``None``, ``"bf16"``, ``"int8"`` or ``"fp8"`` (as in
+    state_format: ``None``, ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"`` (as in
       `pallasopt.optim.adamw`; ``mog`` on the signed map).
     param_rounding: ``"nearest"`` or ``"stochastic"``: how
       ``apply_gradients`` rounds bfloat16 params. ``update`` returns

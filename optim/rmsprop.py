@@ -86,7 +86,7 @@ def rmsprop(
     momentum: decay of the trace, in [0, 1), or None for no momentum.
     nesterov: Nesterov momentum.
     bias_correction: divide the moving averages by :math:`1-\rho^t`.
-    state_format: ``None`` (Optax's state), ``"bf16"``, ``"int8"`` or ``"fp8"``.
+    state_format: ``None`` (Optax's state), ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
     param_rounding: ``"nearest"`` or ``"stochastic"``: how
       ``apply_gradients`` rounds bfloat16 params. ``update`` returns
       updates, which ``optax.apply_updates`` rounds to nearest, so with

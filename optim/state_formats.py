@@ -115,7 +115,7 @@ def convert_state(
     params: the params the state belongs to (arrays or
       ``jax.ShapeDtypeStruct``s): they decide each leaf's storage, as
       ``init`` does.
-    state_format: ``None`` (Optax's state), ``"bf16"``, ``"int8"`` or ``"fp8"``.
+    state_format: ``None`` (Optax's state), ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
     mu_dtype: with ``state_format=None``, the first moment's dtype (as the
       transform's ``mu_dtype``; default the params' dtype).
     legacy_scales: ``opt_state`` was saved by pallasopt before 2026-11-25

@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -31,7 +30,7 @@ def _as_struct(path: KeyPath, leaf: Any, what: str = "tree") -> jax.ShapeDtypeSt
 
 
 def _nbytes(leaf: jax.ShapeDtypeStruct) -> int:
-  return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+  return quant.stored_bytes(math.prod(leaf.shape), leaf.dtype)
 
 
 def _axes(entry: _Entry) -> tuple[str, ...]:
