@@ -17,7 +17,7 @@ and `elementwise_call` does the rest, identically for every family:
   Triton;
 * loads every block as f32 and stores each output in its own dtype;
 * masks loads and stores of ragged blocks on Triton (Mosaic pads them);
-* reads and writes 4-bit codes (``uint4``, two to a byte) as they are on
+* reads and writes 4-bit codes (``int4``, two to a byte) as they are on
   TPU, and on Triton, which has no 4-bit type, as their bytes
   (`codecs.as_bytes`, blocks half as wide), unpacked in the kernel;
 * aliases operands to outputs (`input_output_aliases`) so that, under a jit
@@ -316,9 +316,9 @@ def elementwise_call(
   # Triton has no 4-bit type: such codes travel as their bytes.
   as_bytes = backend == "triton" and blockwise
   nibble_inputs = frozenset(
-      i for i, x in enumerate(operands) if as_bytes and jnp.dtype(x.dtype) == jnp.uint4)
+      i for i, x in enumerate(operands) if as_bytes and jnp.dtype(x.dtype) == jnp.int4)
   nibble_outputs = frozenset(
-      k for k, d in enumerate(out_dtypes) if as_bytes and jnp.dtype(d) == jnp.uint4)
+      k for k, d in enumerate(out_dtypes) if as_bytes and jnp.dtype(d) == jnp.int4)
   full = [x for i, x in enumerate(operands) if i not in block_inputs]
   shape = full[0].shape
   for x in full:

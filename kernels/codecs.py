@@ -39,21 +39,23 @@ lookup table, no gather, nothing Mosaic or Triton cannot lower.
   16 binades (a second moment over :math:`2^{-30}` of its block's largest),
   each with 16 steps (a relative step of :math:`2^{-4}` at most).
 * *Linear 4-bit map* (signed moments and ratios of ``"int4"``): the 15
-  values :math:`k/7`, :math:`k = -7, \dots, 7`, code ``k + 8`` (code 0 is
-  never written and reads as -1). Encoding is one product and a floor.
+  values :math:`k/7`, code :math:`k = -7, \dots, 7` (code -8 is never
+  written and reads as -1). Encoding is one product and a floor.
 * *Root 4-bit map* (`ROOT` of ``"int4"``): the root map with 2 exponent and
   2 mantissa bits, :math:`2^{e-3}(1 + f/4)/T` with :math:`T = 7/4`: 4
   binades (a second moment down to :math:`2^{-7.6}` of its block's largest,
-  a smaller one reads as that) and relative steps of 1/4 at most. Measured
+  a smaller one reads as that) and relative steps of 1/4 at most, codes
+  -8 (its least value) to 7. Measured
   against a linear map without zero (Li et al.'s for the second moment) on
   `bench.low_bit`'s spike test: the linear map's relative steps of up to 1
   near its least value let a root decode far below its value, and single
   AdamW updates reached 1.13x Optax's largest (this map: 1.06x).
 
-4-bit codes are stored as ``uint4`` arrays of the moment's shape, which XLA
+4-bit codes are stored as ``int4`` arrays of the moment's shape, which XLA
 packs two to a byte on TPU and GPU (element ``2k`` in the low half of byte
-``k``): a kernel reads them as any other dtype (Mosaic TPU), or as the bytes
-of `as_bytes` where it cannot (Triton), unpacking them with `from_nibbles`.
+``k``) and orbax checkpoints (TensorStore has no ``uint4``): a kernel reads
+them as any other dtype (Mosaic TPU), or as the bytes of `as_bytes` where it
+cannot (Triton), unpacking them with `from_nibbles`.
 """
 
 from __future__ import annotations
@@ -83,8 +85,10 @@ __all__ = [
 _DECADES = 7
 _FRACTION_BITS = {True: 6, False: 7}
 # The root maps: unsigned floats with no zero, (exponent bits, mantissa bits)
-# for the 8-bit ("root") and 4-bit ("root4") map.
+# for the 8-bit ("root", codes 0..255: uint8) and 4-bit ("root4", codes
+# -8..7: int4) map.
 _ROOT_BITS = {"root": (4, 4), "root4": (2, 2)}
+_FIRST_CODE = {"root": 0, "root4": -8}
 # The largest finite float8_e4m3fn value: a block's absmax maps to it.
 E4M3_MAX = 448.0
 # The signed 4-bit map's steps on each side of zero.
@@ -193,34 +197,36 @@ def _e4m3_grid(y, bits):
   return jnp.where(y < 0, -rounded, rounded)
 
 
-def _root_map(name: str) -> tuple[float, int, int, int]:
-  """A root map's top value ``T``, code offset, dropped mantissa bits and code count."""
+def _root_map(name: str) -> tuple[float, int, int, int, int]:
+  """A root map's top value ``T``, code offset, dropped mantissa bits, first and last code."""
   exponent_bits, mantissa_bits = _ROOT_BITS[name]
   top = 2.0 - 2.0**-mantissa_bits
-  # Code 0 is the exponent field 127 - (2^E - 1) of an f32 with a zero mantissa.
-  offset = (127 - (2**exponent_bits - 1)) << mantissa_bits
-  return top, offset, 23 - mantissa_bits, 2 ** (exponent_bits + mantissa_bits)
+  first = _FIRST_CODE[name]
+  # The first code is the exponent field 127 - (2^E - 1) of an f32 with a
+  # zero mantissa, less the offset.
+  offset = ((127 - (2**exponent_bits - 1)) << mantissa_bits) - first
+  return top, offset, 23 - mantissa_bits, first, first + 2 ** (exponent_bits + mantissa_bits) - 1
 
 
 def _encode_root(x, bits, name: str = "root"):
-  """Root-map codes (f32 holding 0..2^(E+M) - 1) of ``x`` in [0, 1]; stochastic with ``bits``.
+  """Root-map codes (f32) of ``x`` in [0, 1]; stochastic with ``bits``.
 
   The f32 bit pattern of ``T x`` with its mantissa cut to M bits is, past an
   offset, the code: adding half of the dropped bits' weight rounds to
   nearest, adding random bits rounds stochastically, both carrying into
   the exponent as float rounding does. Values below the least code take it.
   """
-  top, offset, dropped_bits, count = _root_map(name)
+  top, offset, dropped_bits, first, last = _root_map(name)
   as_int = jax.lax.bitcast_convert_type(x * np.float32(top), jnp.int32)
   dropped = (1 << dropped_bits) - 1
   nudge = (dropped + 1) // 2 if bits is None else bits & dropped
   code = jax.lax.shift_right_logical(as_int + nudge, np.int32(dropped_bits))
-  return jnp.clip(code - offset, 0, count - 1).astype(jnp.float32)
+  return jnp.clip(code - offset, first, last).astype(jnp.float32)
 
 
 def _decode_root(codes, name: str = "root"):
   """The root map's values (f32 in (0, 1]) of ``codes`` (f32 holding its codes)."""
-  top, offset, dropped_bits, _ = _root_map(name)
+  top, offset, dropped_bits, _, _ = _root_map(name)
   pattern = (codes.astype(jnp.int32) + offset) << dropped_bits
   # A product by 1/T, not a division by T: XLA turns the division by a
   # constant into that product on some backends, not on others.
@@ -233,21 +239,20 @@ def _floor_rounded(t, bits):
 
 
 def _encode_linear4(x, bits):
-  """Linear 4-bit codes (f32 holding 1..15) of ``x`` in [-1, 1]; NaN encodes as 0's code."""
+  """Linear 4-bit codes (f32 holding -7..7) of ``x`` in [-1, 1]; NaN encodes as 0."""
   k = _floor_rounded(jnp.where(jnp.isnan(x), 0.0, x) * np.float32(_LINEAR4_STEPS), bits)
-  return jnp.clip(k, -_LINEAR4_STEPS, _LINEAR4_STEPS) + np.float32(_LINEAR4_STEPS + 1)
+  return jnp.clip(k, -_LINEAR4_STEPS, _LINEAR4_STEPS)
 
 
 def _decode_linear4(codes):
-  return jnp.maximum(codes - np.float32(_LINEAR4_STEPS + 1), -_LINEAR4_STEPS) * np.float32(
-      1 / _LINEAR4_STEPS)
+  return jnp.maximum(codes, -_LINEAR4_STEPS) * np.float32(1 / _LINEAR4_STEPS)
 
 
 def encode_rows(y, codec_name: str, bits=None):
   """Blockwise codes of the rows of ``y`` (f32 ``(rows, BLOCK)``): ``(codes, absmax)``.
 
   ``absmax`` is f32 ``(rows, 1)``. ``codes`` is f32: holding 0..255 for the
-  ``"dynamic"`` and ``"root"`` maps, 0..15 for ``"linear4"`` and
+  ``"dynamic"`` and ``"root"`` maps, -8..7 for ``"linear4"`` and
   ``"root4"``, for ``"e4m3"`` the scaled values, which
   storing as float8_e4m3fn rounds (or keeps, when ``bits`` rounded them).
   ``bits``: int32 random bits per element for stochastic rounding (`code_bits`),
@@ -284,40 +289,51 @@ def map_values(signed: bool) -> np.ndarray:
 
 def root_map_values(name: str = "root") -> np.ndarray:
   """The values of a root map (``"root"``: 256, ``"root4"``: 16) in code order (ascending), as float32."""
-  count = _root_map(name)[3]
+  _, _, _, first, last = _root_map(name)
   return np.asarray(jax.jit(_decode_root, static_argnums=1)(
-      jnp.arange(count, dtype=jnp.float32), name))
+      jnp.arange(first, last + 1, dtype=jnp.float32), name))
 
 
 def as_bytes(codes: jax.Array) -> jax.Array:
-  """uint4 ``codes`` (last dim even) as the uint8 bytes holding them, two to a byte.
+  """int4 ``codes`` (last dim even) as the uint8 bytes holding them, two to a byte.
 
   Shape ``(..., n)`` becomes ``(..., n // 2)``: byte ``k`` holds element
-  ``2k`` in its low half and ``2k + 1`` in its high half, as XLA packs them.
+  ``2k`` in its low half and ``2k + 1`` in its high half (two's complement
+  nibbles), as XLA packs them.
   """
   *lead, n = codes.shape
   return jax.lax.bitcast_convert_type(codes.reshape(*lead, n // 2, 2), jnp.uint8)
 
 
 def as_nibbles(packed: jax.Array) -> jax.Array:
-  """The uint4 codes `as_bytes` packed."""
+  """The int4 codes `as_bytes` packed."""
   *lead, n = packed.shape
-  return jax.lax.bitcast_convert_type(packed, jnp.uint4).reshape(*lead, 2 * n)
+  return jax.lax.bitcast_convert_type(packed, jnp.int4).reshape(*lead, 2 * n)
+
+
+def _signed_nibble(u):
+  return u - np.float32(16.0) * (u >= 8.0).astype(u.dtype)
+
+
+def _unsigned_nibble(v):
+  return v + np.float32(16.0) * (v < 0.0).astype(v.dtype)
 
 
 def from_nibbles(packed):
-  """The f32 codes (0..15) of f32 bytes ``(..., n)``: ``(..., 2n)``, two per byte, low half first.
+  """The f32 codes (-8..7) of f32 bytes ``(..., n)``: ``(..., 2n)``, two per byte, low half first.
 
-  Arithmetic only (a floor and an interleave, which Triton lowers as a join).
+  Arithmetic only (a floor, compares and an interleave, which Triton lowers
+  as a join).
   """
   high = jnp.floor(packed * np.float32(1 / 16))
   low = packed - high * np.float32(16.0)
   *lead, n = packed.shape
-  return jnp.stack([low, high], axis=-1).reshape(*lead, 2 * n)
+  pairs = jnp.stack([_signed_nibble(low), _signed_nibble(high)], axis=-1)
+  return pairs.reshape(*lead, 2 * n)
 
 
 def to_nibbles(codes):
-  """f32 bytes (0..255) of f32 codes (0..15) ``(..., 2n)``: the inverse of `from_nibbles`."""
+  """f32 bytes (0..255) of f32 codes (-8..7) ``(..., 2n)``: the inverse of `from_nibbles`."""
   *lead, n = codes.shape
   low, high = jnp.unstack(codes.reshape(*lead, n // 2, 2), axis=-1)
-  return low + high * np.float32(16.0)
+  return _unsigned_nibble(low) + _unsigned_nibble(high) * np.float32(16.0)

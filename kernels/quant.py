@@ -40,7 +40,7 @@ largest updates) sit at the top of the map, where it is finest; where the
 stored root is off, the decoded first moment is off by the same factor.
 
 **4-bit state** (``"int4"``, after Li et al.; torchao's 4-bit optimizers):
-codes are ``uint4`` arrays of the moment's shape, which XLA stores two to a
+codes are ``int4`` arrays of the moment's shape, which XLA stores two to a
 byte, with the same blocks and scales as 8-bit state: 0.5 + 4/256 bytes
 per element and moment.
 
@@ -142,8 +142,8 @@ class Int4Blockwise(NamedTuple):
   """A signed moment stored as 4-bit codes with one f32 absmax per block.
 
   Attributes:
-    codes: uint4, the moment's shape (two to a byte in memory): ``k + 8``
-      for the linear map's value ``k / 7`` of each element over its block's
+    codes: int4, the moment's shape (two to a byte in memory): ``k`` for
+      the linear map's value ``k / 7`` of each element over its block's
       absmax.
     scales: f32 absmax per block of `BLOCK` elements, as `Int8Blockwise`'s.
   """
@@ -168,7 +168,7 @@ class RootBlockwise(NamedTuple):
   into this state unnoticed.
 
   Attributes:
-    root_codes: uint8 (uint4 for ``"int4"``), the moment's shape: the root
+    root_codes: uint8 (int4 for ``"int4"``), the moment's shape: the root
       map's code of each element's root over its block's absmax.
     root_scales: f32, the absmax of the root in each block, shaped by
       `scales_shape`.
@@ -184,7 +184,7 @@ class RatioBlockwise(NamedTuple):
 
   Attributes:
     ratio_codes: the moment's shape: uint8 codes on the signed dynamic map
-      (``"int8"``), float8 e4m3 values (``"fp8"``) or uint4 codes on the
+      (``"int8"``), float8 e4m3 values (``"fp8"``) or int4 codes on the
       linear 4-bit map (``"int4"``) of ``m / w`` over its block's absmax.
     ratio_scales: f32, the absmax of the ratio in each block, shaped by
       `scales_shape`.
@@ -205,7 +205,7 @@ def is_blockwise(x: object) -> bool:
 
 def stored_bytes(count: int, dtype) -> int:
   """The bytes ``count`` elements of ``dtype`` take in HBM: 4-bit types two to a byte."""
-  if jnp.dtype(dtype) in (jnp.dtype(jnp.uint4), jnp.dtype(jnp.int4)):
+  if jnp.dtype(dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)):
     return -(-count // 2)
   return count * jnp.dtype(dtype).itemsize
 
@@ -239,7 +239,7 @@ def codec(role: str, fmt: str) -> str:
 def format_of(q: Blockwise) -> str:
   """The `FORMATS` entry a blockwise moment is stored in, read from its codes' dtype."""
   dtype = jnp.dtype(q.codes.dtype)
-  if dtype == jnp.uint4:
+  if dtype == jnp.int4:
     return "int4"
   return "fp8" if is_float8(dtype) else "int8"
 
@@ -412,7 +412,7 @@ def _from_block_rows(rows, like):
 
 _CODE_DTYPES = {
     "dynamic": jnp.uint8, "root": jnp.uint8, "e4m3": jnp.float8_e4m3fn,
-    "linear4": jnp.uint4, "root4": jnp.uint4,
+    "linear4": jnp.int4, "root4": jnp.int4,
 }
 
 

@@ -30,7 +30,9 @@ blockwise codes) and ``param_rounding="stochastic"`` for bfloat16 params;
 `convert_state` switches a state between formats.
 """
 
-from pallasopt.kernels.quant import Fp8Blockwise, Int8Blockwise, RatioBlockwise, RootBlockwise
+from pallasopt.kernels.quant import (
+    Fp8Blockwise, Int4Blockwise, Int8Blockwise, RatioBlockwise, RootBlockwise,
+)
 from pallasopt.optim._base import FusedGradientTransformation, FusedUpdate, apply_gradients, fused_update
 from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
 from pallasopt.optim.adamw import adamw, nadamw
@@ -105,6 +107,7 @@ __all__ = [
     "legacy_state_structure",
     "Int8Blockwise",
     "Fp8Blockwise",
+    "Int4Blockwise",
     "RootBlockwise",
     "RatioBlockwise",
     # Type aliases of the signatures.

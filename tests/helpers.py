@@ -7,6 +7,7 @@ import optax
 from hypothesis import strategies as st
 
 import pallasopt
+from pallasopt.kernels import quant
 from bench.low_bit import digits_mlp  # noqa: F401  (the tests' digits task)
 
 
@@ -251,8 +252,6 @@ def blockwise_adam_moments(m, v, fmt: str = "int8", key=None):
 
   Rounded to nearest, or stochastically with ``key`` as the optimizer's steps do.
   """
-  from pallasopt.kernels import quant
-
   root = quant.quantize(v, role=quant.ROOT, fmt=fmt, key=key, stream=2)
   ratio = quant.quantize(m, role=quant.RATIO, fmt=fmt, root=jnp.sqrt(v), key=key, stream=1)
   return ratio, root
@@ -274,7 +273,7 @@ def frozen_at(got, init, keys):
 
 # A matrix with 8-bit state and a bias that keeps f32 state (under 4096 elements).
 FAMILY_TREE = {"w": sds((256, 512)), "b": sds((512,))}
-STATE_FORMATS = [None, "bf16", "int8", "fp8"]
+STATE_FORMATS = [None, "bf16", "int8", "fp8", "int4"]
 
 
 def _elementwise_family(make):
@@ -302,7 +301,7 @@ def auto_kernels(fmt, chip: str, mode: str = "apply", family: str = "adamw") -> 
   ``"fp8"`` format too: no fp8 conversion.
   """
   del mode
-  blockwise = fmt in ("int8", "fp8")
+  blockwise = fmt in quant.FORMATS
   if CHIPS[chip][1] == "tpu":
     return int(blockwise)
   float8 = fmt == "fp8" and family != "rmsprop"

@@ -218,26 +218,58 @@ def test_root_map_is_a_zero_free_unsigned_4_4_float():
   assert np.max(got[1:] / got[:-1]) <= 1 + 2**-4
 
 
+def test_the_4_bit_maps():
+  # Signed (int4's moments and ratios): k / 7 at codes k = -7..7 (code -8 is
+  # never written). Root: the 2 + 2 bit float without zero, codes -8..7.
+  codes = jnp.arange(-8, 8, dtype=jnp.float32)[None]
+  linear = np.asarray(codecs.decode_rows(codes, jnp.ones((1, 1)), "linear4"))[0]
+  np.testing.assert_array_equal(linear[1:], (np.arange(-7, 8) * np.float32(1 / 7)).astype(np.float32))
+  assert linear[0] == -1.0
+  root = codecs.root_map_values("root4")
+  want = np.sort([np.float32(2.0 ** (e - 3) * (1 + f / 4)) * np.float32(4 / 7)
+                  for e in range(4) for f in range(4)]).astype(np.float32)
+  np.testing.assert_array_equal(root, want)
+  assert np.all(np.diff(root) > 0) and root[0] > 0 and abs(root[-1] - 1.0) <= 2**-24
+  assert np.max(root[1:] / root[:-1]) <= 1 + 2**-2
+
+
+def test_nibbles_pack_as_xla_stores_uint4():
+  # Byte k holds element 2k in its low half: the Triton kernels' view of uint4 codes.
+  codes = np.random.default_rng(0).integers(-8, 8, (3, 512)).astype(np.float32)
+  packed = codecs.to_nibbles(jnp.asarray(codes))
+  np.testing.assert_array_equal(
+      np.asarray(packed), np.asarray(codecs.as_bytes(jnp.asarray(codes, jnp.int4)), np.float32))
+  np.testing.assert_array_equal(np.asarray(codecs.from_nibbles(packed)), codes)
+  back = codecs.as_nibbles(packed.astype(jnp.uint8))
+  assert back.dtype == jnp.int4
+  np.testing.assert_array_equal(np.asarray(back, np.float32), codes)
+
+
 def _rows(x: np.ndarray) -> jax.Array:
   """One block per row: x's values after a leading absmax of 1 (so x / absmax is x)."""
   x = np.asarray(x, np.float32).reshape(-1, quant.BLOCK - 1)
   return jnp.asarray(np.concatenate([np.ones((x.shape[0], 1), np.float32), x], axis=1))
 
 
-def test_root_encode_picks_the_nearest_value_and_floors_at_the_least():
-  table = codecs.root_map_values().astype(np.float64)
+@pytest.mark.parametrize("name", ["root", "root4"])
+def test_root_encode_picks_the_nearest_value_and_floors_at_the_least(name):
+  table = codecs.root_map_values(name).astype(np.float64)
   rng = np.random.default_rng(0)
   x = np.concatenate([
       rng.uniform(0, 1, 255 * 200), np.logspace(-12, 0, 255 * 20), np.zeros(255),
       np.resize(np.concatenate([table, (table[1:] + table[:-1]) / 2]), 255 * 4),
   ]).astype(np.float32)
   x = x[: x.size // 255 * 255]
-  codes, absmax = jax.jit(codecs.encode_rows, static_argnums=1)(_rows(x), "root")
+  codes, absmax = jax.jit(codecs.encode_rows, static_argnums=1)(_rows(x), name)
   codes = np.asarray(codes)[:, 1:].ravel()
-  assert np.all(np.asarray(absmax) == 1) and codes.min() >= 0 and codes.max() <= 255
-  got = table[codes.astype(int)]
+  first = -8 if name == "root4" else 0
+  assert np.all(np.asarray(absmax) == 1) and codes.min() >= first
+  assert codes.max() < first + table.size
+  got = table[codes.astype(int) - first]
+  # The encoder rounds T x in f32 first (2^-24 of x): at a midpoint between
+  # two values that may pick the farther one, by that much.
   np.testing.assert_array_less(np.abs(got - x), _nearest_error(np.maximum(x, table[0]), table)
-                               + np.maximum(table[0] - x, 0) + 1e-12)
+                               + np.maximum(table[0] - x, 0) + 2**-23 * x + 1e-12)
   assert np.all(got[x < table[0]] == table[0])  # never below: no zero code
 
 
@@ -245,6 +277,8 @@ def test_root_encode_picks_the_nearest_value_and_floors_at_the_least():
     ("dynamic", [0.5 + 1 / 300, -3.1e-3, 2e-7, -0.99]),
     ("e4m3", [0.5 + 1 / 300, -3.1e-3, 7e-6, 0.9]),
     ("root", [0.5 + 1 / 300, 3.1e-3, 4e-5, 0.97]),
+    ("linear4", [0.5 + 1 / 300, -3.1e-2, 0.2, -0.99]),
+    ("root4", [0.5 + 1 / 300, 0.09, 0.2, 0.97]),
 ])
 def test_stochastic_codes_are_unbiased_and_land_next_to_the_value(codec, values):
   # n keys: each rounding lands on one of the two codes around x, so the
