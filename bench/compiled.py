@@ -32,6 +32,7 @@ OPTIMIZERS = {
         ("update int8", {"state_format": "int8"}, "float32", False),
         ("fused int8", {"state_format": "int8"}, "float32", True),
         ("fused bf16 params, int8", {"state_format": "int8"}, "bfloat16", True),
+        ("fused int4", {"state_format": "int4"}, "float32", True),
     )),
     "adafactor": (("auto", "pallas"), (
         ("update f32", {}, "float32", False),

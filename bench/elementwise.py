@@ -239,5 +239,6 @@ class ElementwiseFamily:
     low_bit += [w for w in workloads.for_tier(tier, ("f32",)) if w.label == "f32"]
     for w in low_bit:
       out += [self.low_bit_case(w, "int8"), self.low_bit_case(w, "fp8"),
-              self.low_bit_case(w, "bf16"), self.low_bit_case(w, "int8", bf16_params=True)]
+              self.low_bit_case(w, "int4"), self.low_bit_case(w, "bf16"),
+              self.low_bit_case(w, "int8", bf16_params=True)]
     return out

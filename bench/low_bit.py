@@ -152,7 +152,7 @@ def digits_run(tx: optax.GradientTransformation, steps: int = 300) -> tuple[floa
   return float(loss(p)), largest
 
 
-_FORMATS = ("bf16", "int8", "fp8")
+_FORMATS = ("bf16", "int8", "fp8", "int4")
 
 
 def rows() -> list[dict[str, Any]]:

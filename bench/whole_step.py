@@ -10,7 +10,7 @@ train step of a plain-JAX decoder (`pallasopt.whole_step`: loss,
 512, f32 params, bf16 matmuls) in each form users write it (update + apply,
 fused ``apply_gradients``, a ``clip_by_global_norm`` chain, ``MultiSteps``),
 for Optax's optimizer (the family's XLA reference where Optax has none) and
-pallasopt's under ``impl="auto"`` with f32 and int8 state, and prints per
+pallasopt's under ``impl="auto"`` with f32, int8 and int4 state, and prints per
 parameter the HBM bytes the compiled module moves and its peak memory, each
 against the baseline in the same form. ``--json`` writes the rows (the
 compile tier asserts the issue's bounds on a subset: tests/test_aot_whole_step.py);
@@ -33,10 +33,10 @@ import sys
 # family: (pallasopt factory kwargs, Optax's counterpart or None, state formats)
 _SCHEDULE = dict(init_value=0.0, peak_value=1e-3, warmup_steps=100, decay_steps=10_000)
 FAMILIES = {
-    "adamw": ({"weight_decay": 0.1}, "adamw", (None, "int8")),
-    "lion": ({"weight_decay": 0.1}, "lion", (None, "int8")),
-    "rmsprop": ({}, "rmsprop", (None, "int8")),
-    "mars": ({"weight_decay": 0.1}, None, (None, "int8")),
+    "adamw": ({"weight_decay": 0.1}, "adamw", (None, "int8", "int4")),
+    "lion": ({"weight_decay": 0.1}, "lion", (None, "int8", "int4")),
+    "rmsprop": ({}, "rmsprop", (None, "int8", "int4")),
+    "mars": ({"weight_decay": 0.1}, None, (None, "int8", "int4")),
     "adafactor": ({}, "adafactor", (None,)),
     "muon": ({}, "contrib.muon", (None,)),
     "kron": ({}, None, (None,)),

@@ -25,8 +25,8 @@ builds them with eFormer's calls, chain and state tree; the stage-local layer
 pipeline stage's params from its own gradients with the same fused kernels.
 
 Low-bit state: the elementwise optimizers take ``state_format="bf16"``,
-``"int8"`` or ``"fp8"`` (moments in bfloat16 with stochastic rounding, or
-blockwise codes) and ``param_rounding="stochastic"`` for bfloat16 params;
+``"int8"``, ``"fp8"`` or ``"int4"`` (moments in bfloat16 with stochastic
+rounding, or blockwise codes) and ``param_rounding="stochastic"`` for bfloat16 params;
 `convert_state` switches a state between formats.
 """
 

@@ -141,8 +141,9 @@ def adafactor(
       ``optax.inject_hyperparams``' traced hyperparameters.
     state_format: storage of the momentum (needs ``momentum``): None
       (``dtype_momentum``, Optax's), ``"bf16"`` (stochastic rounding on
-      every store), ``"int8"`` or ``"fp8"`` (blockwise codes, on the signed
-      map for int8, for leaves of at least 4096 elements, f32 below); see
+      every store), ``"int8"``, ``"fp8"`` or ``"int4"`` (blockwise codes, on
+      the signed map for int8 and int4, for leaves of at least 4096
+      elements, f32 below); see
       `pallasopt.optim.adamw`. With a format, ``dtype_momentum`` must stay
       float32 (its default). The kernel updates the momentum in f32 and XLA
       re-encodes it: one more pass over the momentum than AdamW's formats.

@@ -74,8 +74,10 @@ def adamw(
   Optimizers with 4-bit States <https://arxiv.org/abs/2309.01507>`_, 2023),
   and rounding to nearest freezes an average that moves by less than half a
   code per step. ``"fp8"``: the ratio as float8 e4m3 values, the root as
-  ``"int8"`` stores it. Each step decodes, updates in f32 and re-encodes in
-  one pass. They apply to leaves whose params are float32 or bfloat16 and
+  ``"int8"`` stores it. ``"int4"``: both as 4-bit codes (XLA stores them two
+  to a byte; ~0.52 bytes per moment and param), the ratio on a linear map,
+  the root on a 2 + 2 bit float map without zero. Each step decodes,
+  updates in f32 and re-encodes in one pass. They apply to leaves whose params are float32 or bfloat16 and
   need float32 or bfloat16 grads there. `pallasopt.optim.convert_state`
   converts a state between formats (and a low-bit state saved before
   2026-11-26, which held the second moment itself). The random bits hash

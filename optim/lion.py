@@ -55,7 +55,9 @@ def lion(
   Low-bit state (``state_format``, ``param_rounding``, ``seed``) works as in
   `pallasopt.optim.adamw`: ``"bf16"`` keeps the momentum in bfloat16 with
   stochastic rounding, ``"int8"`` as 8-bit blockwise codes on the signed map
-  (~1.02 bytes per param) for leaves of at least 4096 elements.
+  (~1.02 bytes per param), ``"fp8"`` as e4m3 values, ``"int4"`` as 4-bit
+  codes on a linear map (~0.52 bytes per param), for leaves of at least 4096
+  elements.
 
   Dtypes: leaves whose params, grads and moments are float32 or bfloat16 run
   the fused kernel (f32 math inside); any other leaf Optax accepts (float16,

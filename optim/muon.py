@@ -624,8 +624,8 @@ def muon(
     momentum, second_moment, beta2, second_moment_eps, qkv_split_shapes,
     adamw_predicate, blockwise, distributed_axes: see "Extensions".
     state_format: storage of the momentum (both parts): None (Optax's),
-      ``"bf16"`` (stochastic rounding on every store), ``"int8"`` or
-      ``"fp8"`` (blockwise codes for leaves of at least 4096 elements); see
+      ``"bf16"`` (stochastic rounding on every store), ``"int8"``, ``"fp8"``
+      or ``"int4"`` (blockwise codes for leaves of at least 4096 elements); see
       `pallasopt.optim.adamw`.
     seed: seed of the stochastic roundings (None: 0).
 

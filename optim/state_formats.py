@@ -7,7 +7,7 @@
 forms) state inside an optimizer state, wherever it sits (``optax.chain``,
 ``optax.inject_hyperparams``, ``optax.MultiSteps``, ...), into another
 ``state_format``, so a run can switch between Optax's fp32 state and
-pallasopt's bf16 or 8-bit state::
+pallasopt's bf16, 8-bit or 4-bit state::
 
   tx = pallasopt.optim.adamw(1e-3)                     # or optax.adamw(1e-3)
   ...
@@ -15,9 +15,9 @@ pallasopt's bf16 or 8-bit state::
   state = pallasopt.optim.convert_state(state, params, "int8")
   params, state = tx8.apply_gradients(params, grads, state)
 
-Converting to a lower precision rounds each moment to nearest (8-bit: the
-map value nearest to the moment over its block's absmax); converting back
-dequantizes exactly. The count and every other state leaf are kept, Optax
+Converting to a lower precision rounds each moment to nearest (8-bit and
+4-bit: the map value nearest to the moment over its block's absmax);
+converting back dequantizes exactly. The count and every other state leaf are kept, Optax
 ``trace`` and ``ema`` states included (they serve SGD's momentum and
 parameter averages too): RMSProp's momentum trace and Adafactor's momentum
 keep their storage, which those transforms accept with any ``state_format``.
@@ -185,6 +185,10 @@ def convert_state(
   )
 
 
+# The blockwise formats a state saved before 2026-11-26 may hold.
+_LEGACY_FORMATS = ("int8", "fp8")
+
+
 def legacy_state_structure(opt_state: optax.OptState, state_format: str) -> optax.OptState:
   """The tree of a ``state_format`` state like ``opt_state`` as saved before 2026-11-26.
 
@@ -201,10 +205,10 @@ def legacy_state_structure(opt_state: optax.OptState, state_format: str) -> opta
     old = checkpointer.restore(path, target)
     opt_state = pallasopt.optim.convert_state(old, params, "int8")
   """
-  if state_format not in quant.FORMATS:
+  if state_format not in _LEGACY_FORMATS:
     raise ValueError(
-        f"legacy_state_structure: state_format must be one of {quant.FORMATS} (the blockwise "
-        f"formats); got {state_format!r}."
+        f"legacy_state_structure: state_format must be one of {_LEGACY_FORMATS} (the blockwise "
+        f"formats of states saved before 2026-11-26); got {state_format!r}."
     )
   cls = quant.Fp8Blockwise if state_format == "fp8" else quant.Int8Blockwise
   dtype = jnp.float8_e4m3fn if state_format == "fp8" else jnp.uint8

@@ -318,7 +318,8 @@ def test_rmsprop_and_mars_bytes_models_equal_the_kernels_cost_estimates(
 
 @pytest.mark.parametrize("family", [cases_adamw, cases_lion], ids=["adamw", "lion"])
 @pytest.mark.parametrize("state_format,bf16_params", [("int8", False), ("fp8", False),
-                                                      ("bf16", False), ("int8", True)])
+                                                      ("int4", False), ("bf16", False),
+                                                      ("int8", True)])
 @pytest.mark.parametrize("workload", [workloads.leaf(4096, "f32"), workloads.for_tier("ci")[0]],
                          ids=lambda w: w.name)
 def test_low_bit_bytes_model_equals_the_kernels_cost_estimates(
@@ -330,9 +331,10 @@ def test_low_bit_bytes_model_equals_the_kernels_cost_estimates(
   got = _cost_estimate_bytes(monkeypatch, fused.build("interpret"), carry, grads)
   assert got == case.bytes == fused.bytes
   if workload.name == "leaf":
-    # 12 B of p, g, p (f32) or 6 (bf16), and k moments of 1 B codes + 4 B per
-    # 256 (int8) or 2 B read and written (bf16 state).
-    per_moment = {"int8": 2 * (1 + 4 / 256), "fp8": 2 * (1 + 4 / 256), "bf16": 4}[state_format]
+    # 12 B of p, g, p (f32) or 6 (bf16), and k moments of 1 B codes (int4:
+    # 1/2 B) + 4 B per 256 (int8) or 2 B read and written (bf16 state).
+    per_moment = {"int8": 2 * (1 + 4 / 256), "fp8": 2 * (1 + 4 / 256),
+                  "int4": 2 * (0.5 + 4 / 256), "bf16": 4}[state_format]
     per_param = (6 if bf16_params else 12) + family.SPEC.moments * per_moment
     assert case.bytes == per_param * workload.params
 

@@ -97,7 +97,7 @@ def test_the_bench_times_each_case_against_its_baseline():
 
   rows = bench_whole_step.time_steps(
       "tiny", "adamw", ["fused"], 2, decoder=_TINY["llama"], batch=(2, 12))
-  assert [r["case"] for r in rows] == ["optax.adamw", "auto f32", "auto int8"]
+  assert [r["case"] for r in rows] == ["optax.adamw", "auto f32", "auto int8", "auto int4"]
   assert rows[0]["vs_baseline"] == 1.0
   for r in rows:
     assert 0 < r["min_ms"] <= r["median_ms"] and np.isfinite(r["loss"])
