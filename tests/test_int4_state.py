@@ -2,9 +2,10 @@
 
 The kernels (the TPU body and the Triton body, interpret mode) store the
 reference's codes and scales bit for bit; the state holds at most 1.1 bytes
-per parameter; the transforms agree in every impl, shard, convert between
-formats and checkpoint. The largest-update and digits bounds are
-tests/test_low_bit_updates.py's, the maps' tests/test_quant.py's.
+per parameter; the transforms agree in every impl and convert between
+formats. The largest-update and digits bounds are
+tests/test_low_bit_updates.py's, the maps' tests/test_quant.py's;
+checkpoints and sharded steps tests/test_low_bit_state.py's.
 """
 
 import functools
@@ -14,13 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import pallasopt
 from helpers import assert_close, random_array, tolerance
 from pallasopt.kernels import adamw as adamw_k, lion as lion_k, quant, rounding
 from pallasopt.optim import Int4Blockwise, RatioBlockwise, RootBlockwise
-from pallasopt.pipeline.sharding import optimizer_state_specs
 
 
 def _same(got, want, what):
@@ -153,40 +152,10 @@ def test_convert_state_between_every_format():
   # Four roundings of the root to nearest (int8's and fp8's on the 8-bit
   # map), each within half a step of the value it rounds.
   assert np.all(np.abs(got_w - w) <= ((1 + 2**-3) * (1 + 2**-5)**2 * (1 + 2**-3) - 1) * w + 1e-12)
-  # The ratio m / w: within the int4 half gap plus the 8-bit maps' of the
-  # block's largest ratio, times the decoded root.
+  # The ratio m / w: within two int4 half gaps (1/14 each), int8's and fp8's
+  # of the block's largest ratio, and a few f32 roundings of it. Measured:
+  # 0.071 of it (the roots: 0.11 of theirs).
   m, got_m = np.asarray(state[0].mu["w"], np.float64), np.asarray(back[0].mu["w"], np.float64)
   r, got_r = m / w, got_m / got_w
   r_max = np.abs(r).reshape(-1, 256).max(axis=1).repeat(256).reshape(r.shape)
-  assert np.all(np.abs(got_r - r) <= (2 / 14 + 2 * 0.9 / 128 + 2**-4) * r_max * 1.01)
-
-
-def test_int4_state_checkpoints_with_orbax(tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
-  params = _params()
-  tx = pallasopt.optim.adamw(1e-3, state_format="int4")
-  _, state = jax.jit(tx.apply_gradients)(params, _grads(params, 0), tx.init(params))
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "state", state)
-  checkpointer.wait_until_finished()
-  restored = checkpointer.restore(tmp_path / "state", jax.eval_shape(tx.init, params))
-  _same(restored, state, "restored")
-
-
-def test_a_sharded_step_equals_the_unsharded_one():
-  params = {"w": jnp.ones((64, 256)), "c": jnp.ones((64, 1024)), "b": jnp.ones(64)}
-  specs = {"w": P("data"), "c": P(None, "data"), "b": P()}
-  tx = pallasopt.optim.adamw(1e-3, state_format="int4")
-  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-  shapes = jax.eval_shape(tx.init, params)
-  state_specs = optimizer_state_specs(shapes, params, specs, mesh=mesh)
-  # Codes shard like their params; each 256-column shard holds whole blocks.
-  assert state_specs[0].mu["c"] == RatioBlockwise(P(None, "data"), P("data"))
-  shard = lambda tree, spec: jax.tree.map(
-      lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)), tree, spec)
-  grads = _grads(params, 0)
-  state = tx.init(params)
-  want = jax.jit(tx.apply_gradients)(params, grads, state)
-  got = jax.jit(tx.apply_gradients)(
-      shard(params, specs), shard(grads, specs), shard(state, state_specs))
-  _same(jax.device_get(got), jax.device_get(want), "sharded")
+  assert np.all(np.abs(got_r - r) <= (2 / 14 + 2 * 0.9 / 128 + 2**-4 + 2**-20) * r_max)

@@ -493,10 +493,13 @@ def test_convert_state_round_trips_through_low_bit_formats():
       jax.tree.structure(muon_state))
 
 
-def test_int8_state_checkpoints_with_orbax(tmp_path):
+@pytest.mark.parametrize("make,fmt", [(pallasopt.optim.lion, "int8"),
+                                      (pallasopt.optim.adamw, "int4")], ids=["lion-int8", "adamw-int4"])
+def test_low_bit_state_checkpoints_with_orbax(tmp_path, make, fmt):
+  # int4 codes are int4 arrays: TensorStore, under orbax, has no uint4.
   ocp = pytest.importorskip("orbax.checkpoint")
   params = _params()
-  tx = pallasopt.optim.lion(1e-3, state_format="int8")
+  tx = make(1e-3, state_format=fmt)
   state = tx.init(params)
   _, state = jax.jit(tx.apply_gradients)(params, _grads(params, 0), state)
   checkpointer = ocp.StandardCheckpointer()
@@ -506,11 +509,13 @@ def test_int8_state_checkpoints_with_orbax(tmp_path):
   _assert_same(restored, state, "restored")
 
 
-def test_sharding_specs_and_a_sharded_step():
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_sharding_specs_and_a_sharded_step(fmt):
+  # int4 codes have their param's shape, as int8's: the same specs.
   params = {"w": jnp.zeros((64, 256)), "v": jnp.zeros((8, 1024, 12)), "b": jnp.zeros(64),
             "c": jnp.zeros((64, 1024))}
   specs = {"w": P("data"), "v": P(None, "data"), "b": P(), "c": P(None, "data")}
-  tx = pallasopt.optim.adamw(1e-3, state_format="int8")
+  tx = pallasopt.optim.adamw(1e-3, state_format=fmt)
   mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   shapes = jax.eval_shape(tx.init, params)
   state_specs = optimizer_state_specs(shapes, params, specs, mesh=mesh)
