@@ -216,9 +216,9 @@ def test_kernel_labels_follow_each_familys_cuda_dispatch():
   assert harness.kernel_label("pallas", "gpu", auto_on_cuda="xla") == "triton"
   assert harness.kernel_label("auto", "tpu", auto_on_cuda="xla") == "mosaic"
   # AdamW's, Lion's and Newton-Schulz's "auto" is XLA on CUDA (their modules' docs),
-  # except with 8-bit moments (kernels._update.cuda_auto).
+  # except with blockwise moments (kernels._update.cuda_auto).
   for c in kernels.cases("ci", ("adamw", "lion", "muon")):
-    blockwise = c.label.endswith(("state-int8", "state-fp8"))
+    blockwise = c.label.endswith(("state-int8", "state-fp8", "state-int4"))
     assert c.auto_on_cuda == ("pallas" if blockwise else "xla"), c.key
   assert {c.auto_on_cuda for c in kernels.cases("ci", ("adafactor", "kron"))} == {"pallas"}
   # Newton-Schulz's one CUDA kernel is Mosaic GPU, for bf16 iterates: f32 rows

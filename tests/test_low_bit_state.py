@@ -604,7 +604,7 @@ def test_digits_convergence_with_low_bit_state():
 @pytest.mark.parametrize(
     "call,error,match",
     [
-        (lambda: pallasopt.optim.adamw(1e-3, state_format="int4"), ValueError, "state_format"),
+        (lambda: pallasopt.optim.adamw(1e-3, state_format="int2"), ValueError, "state_format"),
         (lambda: pallasopt.optim.lion(1e-3, state_format="int8", mu_dtype=jnp.float32), ValueError,
          "mu_dtype"),
         (lambda: pallasopt.optim.adamw(1e-3, param_rounding="up"), ValueError, "param_rounding"),

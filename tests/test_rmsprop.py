@@ -168,4 +168,4 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="momentum"):
     pallasopt.optim.rmsprop(1e-3, momentum=-0.1)
   with pytest.raises(ValueError, match="state_format"):
-    pallasopt.optim.rmsprop(1e-3, state_format="int4")
+    pallasopt.optim.rmsprop(1e-3, state_format="int2")
