@@ -114,7 +114,7 @@ def test_auto_on_cpu_lowers_to_plain_xla():
 
 
 def test_muon_takes_same_shape_matrices_one_at_a_time_on_tpu_and_batched_elsewhere():
-  # On a TPU a batch of large matrices overflows VMEM (optim/muon.py,
+  # On a TPU a batch of large matrices overflows VMEM (optim/muon/_orthogonalize.py,
   # `_orthogonalize_group`): each matrix gets its own resident kernel there;
   # elsewhere the three are one batch.
   tx = muon(1e-3, impl="pallas", iter_dtype=jnp.bfloat16)
@@ -134,13 +134,13 @@ def test_muon_takes_same_shape_matrices_one_at_a_time_on_tpu_and_batched_elsewhe
 def test_one_at_a_time_and_batched_orthogonalize_alike():
   import importlib
 
-  muon_module = importlib.import_module("pallasopt.optim.muon")
+  muon_module = importlib.import_module("pallasopt.optim.muon._orthogonalize")
 
   table = jnp.asarray(ns_coefficients.preset_table("simple", 5))
   group = [jax.random.normal(jax.random.key(i), (2, 64, 96)) for i in range(3)]
   orthogonalize = ns.newton_schulz_reference
-  one = muon_module._one_at_a_time(orthogonalize, group, table)
-  batched = muon_module._batched(orthogonalize, group, table)
+  one = muon_module.one_at_a_time(orthogonalize, group, table)
+  batched = muon_module.batched(orthogonalize, group, table)
   for a, b in zip(one, batched):
     assert a.shape == b.shape
     assert jnp.allclose(a, b, rtol=0, atol=1e-6)

@@ -1,62 +1,17 @@
-r"""Muon as a drop-in for `optax.contrib.muon`, on the Newton–Schulz kernels.
+"""`muon`: the drop-in for `optax.contrib.muon` built from its parts."""
 
-Muon (Jordan, `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024)
-keeps a momentum :math:`\mu` of each weight matrix and steps along an
-approximation of its orthogonal polar factor, computed by Newton–Schulz
-(`pallasopt.kernels.newton_schulz`). Leaves that are not matrices (and any the
-user routes away) get (N)AdamW, on the fused AdamW kernel, exactly as Optax
-routes them.
-
-The optimizer state is exactly ``optax.contrib.muon(...).init(params)``'s::
-
-  PartitionState(inner_states={
-      'adam': MaskedState((ScaleByAdamState, <decay state>, <lr state>)),
-      'muon': MaskedState((MuonState(count, mu, ns_coeffs), EmptyState(),
-                           <decay state>, <lr state>)),
-  })
-
-so ``state[0]['muon'][0][0].mu`` is the momentum and a checkpoint written with
-one optimizer restores into the other. Only the opt-in ``second_moment``
-option adds a fifth element to the Muon tuple (`MuonSecondMomentState`).
-
-Sharded matrices. Inside ``jit`` with sharded params, the Newton–Schulz
-kernel is an opaque custom call that XLA does not partition: every matrix is
-gathered, orthogonalized whole and the result resharded. That is the default,
-and it is exact (Megatron's ``"duplicated"`` mode). ``blockwise=(r, c)``
-instead orthogonalizes each of the ``r x c`` blocks of a matrix on its own
-(with its own shape scale): with blocks equal to the shards, no gather is
-needed. It is an approximation (Megatron's ``"blockwise"`` mode), so opt-in.
-
-Distributed Newton–Schulz. On a data-parallel mesh every device would run the
-whole Newton–Schulz of every matrix. ``distributed_axes=("data",)`` splits
-that work (as Moonlight and Dion distribute it): each batch of same-shape
-matrices is padded to a multiple of the N devices of those axes, laid out
-along them (one all-to-all from row-sharded params, a local slice from
-replicated ones), orthogonalized per device inside ``shard_map``, and
-returned to the params' layout (one all-gather per shape group). No
-collective runs inside the iterations, and each matrix gets the same math
-as without the option. Inside ``shard_map`` over those axes (a pipeline
-stage's data axis), where each device holds the same matrices, each
-orthogonalizes its slice and one all-gather per shape group shares them.
-"""
-
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers, MuonState
-from optax.contrib import _muon as _optax_muon  # its orthogonalization, for f64/complex
 
-from pallasopt.kernels import _compat
-from pallasopt.kernels import newton_schulz as ns
 from pallasopt.kernels import ns_coefficients
-from pallasopt.kernels._by_target import by_target
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.kernels._update import store_moment
 from pallasopt.optim import _validation as v
@@ -71,401 +26,23 @@ from pallasopt.optim._elementwise_tx import (
 )
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 from pallasopt.optim.adamw import adamw
-
-__all__ = [
-    "muon",
-    "MuonDimensionNumbers",
-    "MuonState",
-    "MuonSecondMomentState",
-    "OPTAX_PRESETS",
-    "SCALE_MODES",
-    "SECOND_MOMENTS",
-    "shape_scale",
-    "MUON_STATIC_ARGS",
-]
-
-_OWNER = "pallasopt.optim.muon"
-_DEFAULT_NS_COEFFS = ns_coefficients.PRESETS["simple"][0]
-# Optax's own preset names (used with Optax's step semantics): the same
-# numbers as Emerging-Optimizers' "simple" and "quintic" tables.
-OPTAX_PRESETS: dict[str, Any] = {
-    "standard": _DEFAULT_NS_COEFFS,
-    "dion": ns_coefficients.PRESETS["quintic"],
-}
-SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
-SECOND_MOMENTS = ("adamuon", "normuon", "namo")
-_MOMENTUM_STYLES = ("optax", "lerp")
-# Structural arguments to keep static under optax.inject_hyperparams.
-MUON_STATIC_ARGS = ("ns_steps", "stacked_axes", "gram_levels")
-_PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
-
-
-class MuonSecondMomentState(NamedTuple):
-  """Second moments of the ``second_moment`` option, per Muon leaf.
-
-  Leaves are laid out as the ``(batch, fan_in, fan_out)`` view of the matrix
-  (``batch`` = product of the batch axes): ``adamuon`` keeps the full view,
-  ``normuon`` keeps ``(batch, fan_in, 1)`` or ``(batch, 1, fan_out)`` (see
-  `muon`), ``namo`` keeps ``(batch,)``. Always float32.
-  """
-
-  nu: optax.Updates
-
-
-def shape_scale(fan_in: int, fan_out: int, mode: str) -> float:
-  r"""The update scale of Emerging-Optimizers' ``scale_mode`` for a matrix.
-
-  * ``"shape_scaling"``: :math:`\sqrt{\max(1, \text{out}/\text{in})}`
-    (Jordan's Muon; Optax's default);
-  * ``"spectral"``: :math:`\sqrt{\max(\text{out}, \text{in})}` (Liu et al.,
-    Muon is Scalable, arXiv:2502.16982; Optax's ``consistent_rms`` times this);
-  * ``"unit_rms_norm"``: :math:`\sqrt{\text{out}/\text{in}}` (Pethick et al.,
-    arXiv:2502.07529).
-  """
-  if mode == "shape_scaling":
-    return math.sqrt(max(1.0, fan_out / fan_in))
-  if mode == "spectral":
-    return math.sqrt(max(fan_out, fan_in))
-  if mode == "unit_rms_norm":
-    return math.sqrt(fan_out / fan_in)
-  raise ValueError(f"{_OWNER}: scale_mode must be one of {SCALE_MODES}; got {mode!r}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-  """Routing of one leaf: ``dims`` for Muon, None for AdamW."""
-
-  dims: MuonDimensionNumbers | None
-  split: tuple[int, ...] | None = None
-
-  @property
-  def label(self) -> str:
-    return "adam" if self.dims is None else "muon"
-
-
-def _is_spec_leaf(x) -> bool:
-  return x is None or isinstance(x, (MuonDimensionNumbers, optax.MaskedNode))
-
-
-def _broadcast_prefix(name: str, prefix: Any, tree: Any, is_leaf) -> list:
-  """One value of ``prefix`` (a prefix tree of ``tree``) per leaf of ``tree``."""
-  try:
-    full = jax.tree.map(
-        lambda value, sub: jax.tree.map(lambda _: _Box(value), sub), prefix, tree, is_leaf=is_leaf
-    )
-  except ValueError as e:
-    raise ValueError(
-        f"{_OWNER}: {name} must have the structure of the params or a prefix of it; {e}"
-    ) from None
-  return [box.value for box in jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, _Box))]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Box:
-  value: Any
-
-
-def _normalize_axes(axes, ndim: int, path: str) -> tuple[int, ...]:
-  axes = (axes,) if isinstance(axes, int) else tuple(axes)
-  for axis in axes:
-    if not -ndim <= axis < ndim:
-      raise ValueError(
-          f"{_OWNER}: muon_weight_dimension_numbers{path} names axis {axis} of a leaf of "
-          f"rank {ndim}."
-      )
-  return tuple(axis % ndim for axis in axes)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-  """A Muon leaf viewed as ``(batch, fan_in, fan_out)`` and back."""
-
-  shape: tuple[int, ...]
-  perm: tuple[int, ...]
-  flat: tuple[int, int, int]
-
-  @classmethod
-  def of(cls, shape, dims: MuonDimensionNumbers, path: str) -> "_Layout":
-    ndim = len(shape)
-    if ndim < 2:
-      raise ValueError(f"{_OWNER}: Muon leaf{path} must have rank >= 2; got shape {shape}.")
-    red = _normalize_axes(dims.reduction_axis, ndim, path)
-    out = _normalize_axes(dims.output_axis, ndim, path)
-    if set(red) & set(out):
-      raise ValueError(
-          f"{_OWNER}: muon_weight_dimension_numbers{path} has overlapping reduction and "
-          f"output axes {red} and {out}."
-      )
-    batch = tuple(a for a in range(ndim) if a not in red + out)
-    size = lambda axes: math.prod(shape[a] for a in axes)
-    return cls(tuple(shape), batch + red + out, (size(batch), size(red), size(out)))
-
-  def to_flat(self, x):
-    return jnp.transpose(x, self.perm).reshape(self.flat)
-
-  def from_flat(self, x):
-    permuted = tuple(self.shape[a] for a in self.perm)
-    return jnp.transpose(x.reshape(permuted), np.argsort(self.perm))
-
-
-def _split_parts(flat_shape, split, blockwise, path):
-  """Index slices of the sub-matrices orthogonalized separately.
-
-  Returns a function ``(b, r, o) array -> list of stacks`` and its inverse.
-  ``split`` splits the output axis, viewed as ``(groups, sum(split))``, into
-  one part per entry (a fused QKV matrix, as Megatron lays it out);
-  ``blockwise=(rb, cb)`` cuts every part into an ``rb x cb`` grid of blocks.
-  """
-  batch, fan_in, fan_out = flat_shape
-  sizes = (fan_out,) if split is None else tuple(split)
-  total = sum(sizes)
-  if fan_out % total:
-    raise ValueError(
-        f"{_OWNER}: qkv_split_shapes{path}={split} must divide the output size {fan_out}."
-    )
-  groups = fan_out // total
-  rb, cb = (1, 1) if blockwise is None else blockwise
-  for size in sizes:
-    if fan_in % rb or (groups * size) % cb:
-      raise ValueError(
-          f"{_OWNER}: blockwise={blockwise} must divide every part of leaf{path} "
-          f"(fan_in={fan_in}, part fan_out={groups * size})."
-      )
-  bounds = np.cumsum((0,) + sizes)
-
-  def to_blocks(m):  # (b, r, o) -> (b * rb * cb, r / rb, o / cb)
-    _, r, o = m.shape
-    m = m.reshape(batch, rb, r // rb, cb, o // cb).transpose(0, 1, 3, 2, 4)
-    return m.reshape(batch * rb * cb, r // rb, o // cb)
-
-  def from_blocks(m, r, o):
-    m = m.reshape(batch, rb, cb, r // rb, o // cb).transpose(0, 1, 3, 2, 4)
-    return m.reshape(batch, r, o)
-
-  def split_fn(x):
-    grouped = x.reshape(batch, fan_in, groups, total)
-    return [
-        to_blocks(grouped[..., lo:hi].reshape(batch, fan_in, groups * (hi - lo)))
-        for lo, hi in zip(bounds[:-1], bounds[1:])
-    ]
-
-  def merge_fn(parts):
-    pieces = [
-        from_blocks(p, fan_in, groups * s).reshape(batch, fan_in, groups, s)
-        for p, s in zip(parts, sizes)
-    ]
-    return jnp.concatenate(pieces, axis=-1).reshape(batch, fan_in, fan_out)
-
-  part_shapes = [(fan_in // rb, groups * s // cb) for s in sizes]
-  return split_fn, merge_fn, part_shapes
-
-
-def _compute_dtype(x) -> jnp.dtype:
-  """The dtype Muon computes a leaf in: f32 for the kernels' dtypes (f32 and
-  bf16), the leaf's own otherwise (f16, f64, complex), as Optax does."""
-  return jnp.dtype(jnp.float32) if v.kernel_dtypes(x) else jnp.result_type(x)
-
-
-def _check_distributed_axes(axes: tuple[str, ...] | None):
-  """The mesh in context for ``distributed_axes``, or a ValueError saying what is wrong."""
-  if axes is None:
-    return None
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    raise ValueError(
-        f"{_OWNER}: distributed_axes={axes} needs the mesh in context: call the step "
-        "under jax.set_mesh(mesh) (or jax.sharding.use_mesh)."
-    )
-  unknown = [a for a in axes if a not in mesh.axis_names]
-  if unknown:
-    raise ValueError(
-        f"{_OWNER}: distributed_axes names {unknown}, which the mesh in context "
-        f"(axes {tuple(mesh.axis_names)}) lacks."
-    )
-  manual = [a for a in axes if a in mesh.manual_axes]
-  if manual and len(manual) != len(axes):
-    raise ValueError(
-        f"{_OWNER}: distributed_axes {axes} mixes axes that are manual here (inside "
-        f"shard_map: {manual}) with others; name axes of one kind."
-    )
-  return mesh
-
-
-def _split_over_manual_axes(orthogonalize, joined, coeffs, mesh, axes: tuple[str, ...]):
-  """`_split_over_axes` inside `shard_map` over ``axes`` (e.g. a pipeline stage).
-
-  Each device holds the same matrices (data-parallel replicas, after the
-  gradients' all-reduce): it orthogonalizes its slice of the padded batch and
-  one all-gather per shape group returns every result to every device.
-  """
-  devices = math.prod(mesh.shape[a] for a in axes)
-  count = joined.shape[0]
-  padded = jnp.pad(joined, ((0, -count % devices), (0, 0), (0, 0)))
-  per_device = padded.shape[0] // devices
-  mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(axes) * per_device, per_device)
-  return jax.lax.all_gather(orthogonalize(mine, coeffs), axes, tiled=True)[:count]
-
-
-def _split_over_axes(orthogonalize, joined, coeffs, mesh, axes: tuple[str, ...]):
-  """``orthogonalize(joined, coeffs)``, the matrices split over the devices of ``axes``.
-
-  The batch of same-shape matrices is padded to a multiple of the devices
-  (with zero matrices, which Newton–Schulz maps to zero), laid out along
-  ``axes`` (one all-to-all from a row-sharded layout, a slice from a
-  replicated one), orthogonalized per device inside `shard_map`, and returned
-  to the params' layout (one all-gather or all-to-all per shape group). No
-  collective runs inside the iterations.
-  """
-  devices = math.prod(mesh.shape[a] for a in axes)
-  count = joined.shape[0]
-  batch, whole = jax.sharding.PartitionSpec(axes, None, None), jax.sharding.PartitionSpec()
-  free = jax.sharding.PartitionSpec.UNCONSTRAINED
-  explicit = any(
-      mesh.axis_types[mesh.axis_names.index(a)] == jax.sharding.AxisType.Explicit for a in axes
-  )
-  if not explicit:
-    # Auto axes: XLA would propagate the batch layout back into each matrix's
-    # momentum; the batch of the joined matrices stays whole until the split.
-    joined = jax.lax.with_sharding_constraint(joined, jax.sharding.PartitionSpec(None, free, free))
-  padded = jnp.pad(joined, ((0, -count % devices), (0, 0), (0, 0)))
-  if explicit:
-    padded, coeffs = jax.sharding.reshard(padded, batch), jax.sharding.reshard(coeffs, whole)
-  else:
-    padded = jax.lax.with_sharding_constraint(padded, batch)
-  split = _compat.shard_map(
-      orthogonalize, mesh=mesh, in_specs=(batch, whole), out_specs=batch,
-      axis_names=frozenset(axes), check_vma=False,
-  )
-  result = split(padded, coeffs)
-  # Back to the params' layout (the batch whole) before the padding is cut
-  # off: one collective for the group, not one per matrix.
-  if explicit:
-    result = jax.sharding.reshard(result, _compat.explicit_spec(joined) or whole)
-  else:
-    result = jax.lax.with_sharding_constraint(result, jax.sharding.PartitionSpec(None, free, free))
-  return result[:count]
-
-
-def _orthogonalize_all(
-    stacks, table, *, optax_coeffs, preconditioning, eps, iter_dtype, gram_levels, impl,
-    distributed_axes=None,
-):
-  """Newton–Schulz of many stacks: per shape of matrix, one batch or one stack at a time.
-
-  One stack at a time on a TPU, else one batch per shape
-  (`_orthogonalize_group`).
-
-  Stacks in float32 or bfloat16 run `newton_schulz` with ``table``; others
-  (float64, complex), and all of them when ``table`` is None (a traced step
-  count), run Optax's own orthogonalization with ``optax_coeffs`` =
-  ``(ns_coeffs, ns_steps)``, in their dtype. With ``distributed_axes`` each
-  shape's batch is split over those mesh axes (`_split_over_axes`).
-  """
-  mesh = _check_distributed_axes(distributed_axes)
-  coeffs = jnp.asarray(optax_coeffs[0])  # `table` itself when there is one
-
-  def orthogonalize(x, coeffs):
-    if table is not None and v.kernel_dtypes(x):
-      return ns.newton_schulz(
-          x, coeffs, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype,
-          gram_levels=gram_levels, impl=impl,
-      )
-    return _optax_muon.orthogonalize_via_newton_schulz(
-        x, coeffs, optax_coeffs[1], preconditioning, eps,
-        MuonDimensionNumbers(reduction_axis=1, output_axis=2),
-    )
-
-  groups: dict[tuple, list[int]] = {}
-  for i, s in enumerate(stacks):
-    groups.setdefault((s.shape[1:], s.dtype), []).append(i)
-  out = [None] * len(stacks)
-  for members in groups.values():
-    group = [stacks[i] for i in members]
-    if mesh is None:
-      # Newton–Schulz contracts whole rows and columns: a matrix sharded over
-      # Explicit mesh axes is gathered, orthogonalized whole and resharded
-      # (exact; `blockwise` avoids the gather).
-      results = _orthogonalize_group(orthogonalize, [_compat.gathered(s) for s in group], coeffs)
-      results = [_compat.reshard_like(r, s) for r, s in zip(results, group)]
-    else:
-      joined = jnp.concatenate(group) if len(group) > 1 else group[0]
-      if distributed_axes[0] in mesh.manual_axes:
-        result = _split_over_manual_axes(orthogonalize, joined, coeffs, mesh, distributed_axes)
-      else:
-        result = _split_over_axes(orthogonalize, joined, coeffs, mesh, distributed_axes)
-      results = _unjoin(_compat.reshard_like(result, joined), group)
-    for i, result in zip(members, results):
-      out[i] = result
-  return out
-
-
-def _unjoin(joined: jax.Array, group: Sequence[jax.Array]) -> list[jax.Array]:
-  """The stacks of ``group`` back from their concatenation ``joined``."""
-  offsets = np.cumsum([0] + [s.shape[0] for s in group])
-  return [joined[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
-
-
-def _one_at_a_time(orthogonalize, group: Sequence[jax.Array], coeffs) -> list[jax.Array]:
-  return [orthogonalize(s, coeffs) for s in group]
-
-
-def _batched(orthogonalize, group: Sequence[jax.Array], coeffs) -> list[jax.Array]:
-  return _unjoin(orthogonalize(jnp.concatenate(group), coeffs), group)
-
-
-def _orthogonalize_group(orthogonalize, group: Sequence[jax.Array], coeffs) -> list[jax.Array]:
-  """``orthogonalize`` of same-shape stacks: one stack at a time on a TPU, else one batch.
-
-  Chosen when lowered (`pallasopt.kernels.by_target`), from what each
-  compiled step moves (HBM bytes of XLA's compiled module, from a CPU host;
-  GPT-2 small's twelve 768x3072 matrices): on a TPU v5e the batch overflows
-  VMEM and XLA keeps the iterates in HBM, 77 B per param against 20 one at a
-  time (optax.contrib.muon's 20); on an H100 the batch moves 226 against 253.
-  (On a CPU, XLA 0.10.2's compiler crashes on GPT-2 small's 48 matrices one
-  at a time with ``gram_levels=4``; batched it compiles.)
-  """
-  one_at_a_time = functools.partial(_one_at_a_time, orthogonalize)
-  batched = functools.partial(_batched, orthogonalize)
-  if len(group) == 1:
-    return one_at_a_time(group, coeffs)
-  choose = lambda target: one_at_a_time if target.platform == "tpu" else None
-  return by_target(batched, choose)(list(group), coeffs)
-
-
-def _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs):
-  """The coefficients stored in ``MuonState.ns_coeffs`` (numpy), as Optax would."""
-  if isinstance(ns_coeffs, str):
-    if ns_coeffs in OPTAX_PRESETS:
-      coeffs = np.asarray(OPTAX_PRESETS[ns_coeffs], np.float32)
-    elif ns_coeffs in ns_coefficients.PRESETS:
-      try:
-        return ns_coefficients.preset_table(ns_coeffs, ns_steps)
-      except ValueError as e:
-        raise ValueError(f"{_OWNER}: ns_coeffs={ns_coeffs!r}, ns_steps={ns_steps!r}: {e}") from e
-    elif ns_coeffs == "custom":
-      if custom_ns_coeffs is None:
-        raise ValueError(f"{_OWNER}: ns_coeffs='custom' needs custom_ns_coeffs.")
-      return np.asarray(ns_coefficients.coefficient_table(custom_ns_coeffs, ns_steps, ns_rule or "cycle"))
-    else:
-      names = sorted(OPTAX_PRESETS) + sorted(ns_coefficients.PRESETS) + ["custom"]
-      raise ValueError(f"{_OWNER}: unknown ns_coeffs preset {ns_coeffs!r}; expected one of {names}.")
-  else:
-    coeffs = np.asarray(ns_coeffs, np.float32)
-  if coeffs.ndim not in (1, 2) or coeffs.shape[-1] != 3:
-    raise ValueError(f"{_OWNER}: ns_coeffs must have shape (3,) or (n, 3); got {coeffs.shape}.")
-  if ns_rule is not None:
-    return np.asarray(ns_coefficients.coefficient_table(coeffs, ns_steps, ns_rule))
-  if coeffs.ndim == 2 and coeffs.shape[0] > ns_steps:
-    raise ValueError(
-        f"{_OWNER}: ns_coeffs has {coeffs.shape[0]} rows but ns_steps={ns_steps}; "
-        "Optax requires rows <= ns_steps."
-    )
-  return coeffs
+from pallasopt.optim.muon._layout import Layout, Spec, broadcast_prefix, is_spec_leaf, split_parts
+from pallasopt.optim.muon._options import (
+    DEFAULT_NS_COEFFS,
+    MOMENTUM_STYLES,
+    OWNER,
+    PRECONDITIONINGS,
+    SCALE_MODES,
+    SECOND_MOMENTS,
+    MuonSecondMomentState,
+    shape_scale,
+)
+from pallasopt.optim.muon._orthogonalize import compute_dtype, orthogonalize_all, resolve_coeffs
 
 
 def muon(
     learning_rate: ScalarOrSchedule,
-    ns_coeffs: Any = _DEFAULT_NS_COEFFS,
+    ns_coeffs: Any = DEFAULT_NS_COEFFS,
     ns_steps: int = 5,
     beta: Numeric = 0.95,
     eps: float = 1e-8,
@@ -645,7 +222,7 @@ def muon(
       ("weight_decay", weight_decay),
       ("adam_weight_decay", adam_weight_decay),
   ):
-    v.check_finite(_OWNER, name, value)
+    v.check_finite(OWNER, name, value)
   for name, value, high, inclusive in (
       ("beta", beta, 1.0, False),
       ("eps", eps, math.inf, True),
@@ -655,30 +232,30 @@ def muon(
       ("beta2", beta2, 1.0, False),
       ("second_moment_eps", second_moment_eps, math.inf, True),
   ):
-    v.check_hyperparameter(_OWNER, name, value, high=high, high_inclusive=inclusive)
+    v.check_hyperparameter(OWNER, name, value, high=high, high_inclusive=inclusive)
   stacked_axes = v.static_int(
-      _OWNER, "stacked_axes", stacked_axes, low=0, static_args="MUON_STATIC_ARGS"
+      OWNER, "stacked_axes", stacked_axes, low=0, static_args="MUON_STATIC_ARGS"
   )
   if gram_levels is not None:
     gram_levels = v.static_int(
-        _OWNER, "gram_levels", gram_levels, low=0, static_args="MUON_STATIC_ARGS"
+        OWNER, "gram_levels", gram_levels, low=0, static_args="MUON_STATIC_ARGS"
     )
   resolve_impl(impl)
   for name, value, allowed in (
-      ("preconditioning", preconditioning, _PRECONDITIONINGS),
-      ("momentum", momentum, _MOMENTUM_STYLES),
+      ("preconditioning", preconditioning, PRECONDITIONINGS),
+      ("momentum", momentum, MOMENTUM_STYLES),
       ("scale_mode", scale_mode, SCALE_MODES + (None,)),
       ("second_moment", second_moment, SECOND_MOMENTS + (None,)),
       ("ns_rule", ns_rule, ("cycle", "repeat_last", None)),
   ):
     if value not in allowed:
-      raise ValueError(f"{_OWNER}: {name} must be one of {allowed}; got {value!r}.")
+      raise ValueError(f"{OWNER}: {name} must be one of {allowed}; got {value!r}.")
   if scale_mode is not None and consistent_rms is not None:
-    raise ValueError(f"{_OWNER}: pass scale_mode or consistent_rms, not both.")
+    raise ValueError(f"{OWNER}: pass scale_mode or consistent_rms, not both.")
   if blockwise is not None and (
       len(blockwise) != 2 or any(not isinstance(b, int) or b < 1 for b in blockwise)
   ):
-    raise ValueError(f"{_OWNER}: blockwise must be a pair of positive ints; got {blockwise!r}.")
+    raise ValueError(f"{OWNER}: blockwise must be a pair of positive ints; got {blockwise!r}.")
   if distributed_axes is not None:
     if isinstance(distributed_axes, str):
       distributed_axes = (distributed_axes,)
@@ -686,38 +263,38 @@ def muon(
     if not distributed_axes or not all(isinstance(a, str) for a in distributed_axes) or len(
         set(distributed_axes)) != len(distributed_axes):
       raise ValueError(
-          f"{_OWNER}: distributed_axes must be distinct mesh axis names; got {distributed_axes!r}."
+          f"{OWNER}: distributed_axes must be distinct mesh axis names; got {distributed_axes!r}."
       )
-  v.optional_float_dtype(_OWNER, "iter_dtype", iter_dtype)
+  v.optional_float_dtype(OWNER, "iter_dtype", iter_dtype)
   traced_steps = isinstance(ns_steps, jax.core.Tracer)
   if traced_steps:
     # optax.inject_hyperparams traces ns_steps: Optax's orthogonalization
     # (a loop of traced length) then runs every Muon leaf, in every impl.
     if isinstance(ns_coeffs, str) or ns_rule is not None:
       raise TypeError(
-          f"{_OWNER}: a traced ns_steps works only with numeric ns_coeffs and no ns_rule; "
+          f"{OWNER}: a traced ns_steps works only with numeric ns_coeffs and no ns_rule; "
           "under optax.inject_hyperparams pass static_args=MUON_STATIC_ARGS."
       )
     init_coeffs = np.asarray(ns_coeffs, np.float32)
   else:
-    ns_steps = v.static_int(_OWNER, "ns_steps", ns_steps, low=1, static_args="MUON_STATIC_ARGS")
-    init_coeffs = _resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs)
+    ns_steps = v.static_int(OWNER, "ns_steps", ns_steps, low=1, static_args="MUON_STATIC_ARGS")
+    init_coeffs = resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs)
   table_steps = ns_steps if init_coeffs.ndim == 1 else None
-  mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
-  seed = check_low_bit_options(_OWNER, state_format, "nearest", seed, mu_dtype)
+  mu_dtype = v.optional_dtype(OWNER, "mu_dtype", mu_dtype)
+  seed = check_low_bit_options(OWNER, state_format, "nearest", seed, mu_dtype)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
-  def specs_of(tree) -> list[_Spec]:
+  def specs_of(tree) -> list[Spec]:
     leaves = v.keyed_leaves(tree)
     if muon_weight_dimension_numbers is None:
-      v.check_stacked_axes(_OWNER, tree, stacked_axes)
+      v.check_stacked_axes(OWNER, tree, stacked_axes)
       dims = MuonDimensionNumbers(stacked_axes, stacked_axes + 1)
       chosen = [dims if jnp.ndim(x) == 2 + stacked_axes else None for _, x in leaves]
     else:
       spec = muon_weight_dimension_numbers
       spec = spec(tree) if callable(spec) else spec
-      chosen = _broadcast_prefix("muon_weight_dimension_numbers", spec, tree, _is_spec_leaf)
+      chosen = broadcast_prefix("muon_weight_dimension_numbers", spec, tree, is_spec_leaf)
       chosen = [None if isinstance(d, optax.MaskedNode) else d for d in chosen]
     if adamw_predicate is not None:
       chosen = [None if adamw_predicate(p, x) else d for (p, x), d in zip(leaves, chosen)]
@@ -726,8 +303,8 @@ def muon(
     else:
       split = qkv_split_shapes(tree) if callable(qkv_split_shapes) else qkv_split_shapes
       is_split = lambda x: x is None or (isinstance(x, tuple) and all(isinstance(i, int) for i in x))
-      splits = _broadcast_prefix("qkv_split_shapes", split, tree, is_split)
-    return [_Spec(d, s if d is not None else None) for d, s in zip(chosen, splits)]
+      splits = broadcast_prefix("qkv_split_shapes", split, tree, is_split)
+    return [Spec(d, s if d is not None else None) for d, s in zip(chosen, splits)]
 
   def param_labels(tree):
     return jax.tree.unflatten(jax.tree.structure(tree), [s.label for s in specs_of(tree)])
@@ -737,11 +314,11 @@ def muon(
 
   def layouts_of(tree):
     return [
-        (_Layout.of(jnp.shape(x), s.dims, p), s)
+        (Layout.of(jnp.shape(x), s.dims, p), s)
         for (p, x), s in zip(v.keyed_leaves(tree), specs_of(tree))
     ]
 
-  def second_moment_init(layout: _Layout):
+  def second_moment_init(layout: Layout):
     b, r, o = layout.flat
     if second_moment == "adamuon":
       shape = (b, r, o)
@@ -771,7 +348,7 @@ def muon(
 
   def momentum_step(g, m, count, leaf):
     # f32 at least; float64 and complex leaves keep their precision (Optax's).
-    dtype = _compute_dtype(g)
+    dtype = compute_dtype(g)
     real = jnp.finfo(dtype).dtype
     corrected = lambda x, t: x / jnp.asarray(1 - beta**t, real)
     g32, m32 = g.astype(dtype), moment_value(m).astype(dtype)
@@ -785,7 +362,7 @@ def muon(
     rounding = momentum_rounding(state_format, seed, count, leaf, jnp.shape(g))
     return hat.astype(dtype), store_moment(m_new, m, **rounding)
 
-  def scale_vector(layout: _Layout, spec: _Spec, parts):
+  def scale_vector(layout: Layout, spec: Spec, parts):
     """Per-output-column scale (one value per part), broadcast on (b, r, o)."""
     _, fan_in, fan_out = layout.flat
     if spec.split is None:
@@ -816,7 +393,7 @@ def muon(
 
   def chain_update(updates, state, params=None, learning_rate_now=None):
     muon_state, shape_state, decay_state, lr_state = state[:4]
-    v.check_same_tree(_OWNER, "grads", updates, "opt_state mu", moment_arrays(muon_state.mu))
+    v.check_same_tree(OWNER, "grads", updates, "opt_state mu", moment_arrays(muon_state.mu))
     treedef = jax.tree.structure(updates)
     grads = jax.tree.leaves(updates)
     count = optax.safe_increment(muon_state.count)
@@ -826,13 +403,13 @@ def muon(
     layouts = layouts_of(updates)
     splitters, stacks, owners = [], [], []
     for (path, _), hat, (layout, spec) in zip(v.keyed_leaves(updates), hats, layouts):
-      splitter = _split_parts(layout.flat, spec.split, blockwise, path)
+      splitter = split_parts(layout.flat, spec.split, blockwise, path)
       parts = splitter[0](layout.to_flat(hat))
       splitters.append(splitter)
       owners.append(len(parts))
       stacks.extend(parts)
     orthogonalize = functools.partial(
-        _orthogonalize_all, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype,
+        orthogonalize_all, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype,
         gram_levels=gram_levels, impl=impl, distributed_axes=distributed_axes,
     )
     if traced_steps:
@@ -845,7 +422,7 @@ def muon(
     for hat, g, nu, (layout, spec), (_, merge, part_shapes), n in zip(
         hats, grads, nus, layouts, splitters, owners
     ):
-      o = merge(results[start:start + n]).astype(_compute_dtype(g))
+      o = merge(results[start:start + n]).astype(compute_dtype(g))
       start += n
       if second_moment is not None:
         o, nu = normalize(o, nu, layout.to_flat(g.astype(jnp.float32)), layout.to_flat(hat))
@@ -890,7 +467,7 @@ def muon(
     ``mode="apply"`` returns the new params, ``"updates"`` the updates.
     """
     if params is not None:
-      v.check_same_tree(_OWNER, "grads", grads, "params", params)
+      v.check_same_tree(OWNER, "grads", grads, "params", params)
     labels = jax.tree.leaves(param_labels(grads))
     treedef = jax.tree.structure(grads)
 
@@ -936,9 +513,9 @@ def muon(
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is not None:
-      v.check_same_tree(_OWNER, "grads", updates, "params", params)
+      v.check_same_tree(OWNER, "grads", updates, "params", params)
     else:
-      v.check_same_tree(_OWNER, "grads", updates, "opt_state mu", moment_arrays(_state_mu(state)))
+      v.check_same_tree(OWNER, "grads", updates, "opt_state mu", moment_arrays(_state_mu(state)))
     return partition.update(updates, state, params, **extra_args)
 
   return FusedGradientTransformation(init_fn, update_fn, apply_fn, scaled_update_fn)
