@@ -37,7 +37,8 @@ Regimes (`newton_schulz_kernel`, ``regime="auto"``, `choose_regime`):
   and out, two temporaries, A, B, A²) within `_TPU_RESIDENT_BYTES` (24 MiB,
   within v5e/v6e's 128 MiB and v7's 64 MiB of VMEM, with the VMEM limit
   raised to match).
-* **tiled** (TPU; three launches per step): larger matrices. See `_tiled_step`.
+* **tiled** (TPU; three launches per step): larger matrices. See
+  `pallasopt.kernels.ns_tiled`.
 * **wgmma** (CUDA, bf16 iterates: the one CUDA regime): both symmetric
   products of a step on the Mosaic GPU upper-tile Gram kernel
   (`gram.gram_kernel`, Hopper ``wgmma`` with TMA pipelining), ``B X`` and
@@ -83,15 +84,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels import _compat, _matrix
+from pallasopt.kernels import _compat, _matrix, ns_math, ns_tiled
 from pallasopt.kernels._by_target import by_target
-from pallasopt.kernels._compat import pl, pltpu
+from pallasopt.kernels._compat import pl
 from pallasopt.kernels._dispatch import CudaRequirement, dispatch
 from pallasopt.kernels._elementwise import scalar_input
 from pallasopt.kernels._target import Target
-from pallasopt.kernels.gram import (
-    check_levels, gram_kernel, gram_levels_for, gram_reference, mirror_upper,
-)
+from pallasopt.kernels.gram import check_levels, gram_kernel, gram_levels_for, gram_reference
 
 __all__ = [
     "PRECONDITIONINGS",
@@ -134,79 +133,6 @@ def ns_flops(
     gram = lambda k: m * m * k * (blocks + 1) // blocks
     return steps * (gram(n) + gram(m) + 2 * m * m * n)
   return steps * (4 * m * m * n + 2 * m**3)
-
-
-# ---- Math shared by the reference and the kernels (values, not refs). ----
-
-
-def _dot(a, b):
-  return _matrix.batched_dot(a, b)
-
-
-def _gram(x):
-  return _matrix.batched_dot(x, x, trans_b=True)
-
-
-def _frobenius_scale(x, eps):
-  x = x.astype(jnp.float32)
-  return x / (jnp.sqrt(jnp.sum(x * x)) + eps)
-
-
-def _first_step_rescale(x, gram, preconditioning: str, eps: float):
-  """AOL / Schatten-4 rescaling of ``x`` and its Gram matrix (first step only)."""
-  x = x.astype(jnp.float32)
-  if preconditioning == "aol":
-    # A is symmetric: its column sums are its row sums, as a row vector.
-    col = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(gram), axis=1, keepdims=True), eps))
-    row = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(gram), axis=0, keepdims=True), eps))
-    return x * col, gram * col * row
-  s = jax.lax.rsqrt(jnp.maximum(jnp.sqrt(jnp.sum(gram * gram)), eps))
-  return x * s, gram * (s * s)
-
-
-def _per_matrix(fn, *arrays):
-  """``fn`` of one matrix applied to a matrix or to every matrix of a stack."""
-  return fn(*arrays) if arrays[0].ndim == 2 else jax.vmap(fn)(*arrays)
-
-
-def _ns_step(x, gram, a, b, c, dtype, symmetric_gram=None):
-  r"""``a X + (b A + (c A) A) X`` with f32 epilogues, rounded to ``dtype``.
-
-  ``symmetric_gram`` (a stack's Gram matrices, e.g. `gram.gram_reference`)
-  computes the symmetric :math:`A^2 = A A^\top`, then scaled by ``c``; None
-  is Optax's ``(c A) @ A``.
-  """
-  if symmetric_gram is None:
-    square = _dot((c * gram).astype(dtype), gram.astype(dtype))
-  else:
-    square = c * symmetric_gram(gram.astype(dtype))
-  poly = b * gram + square
-  return (a * x.astype(jnp.float32) + _dot(poly.astype(dtype), x.astype(dtype))).astype(dtype)
-
-
-def _ns_iterations(x, coeff, steps: int, preconditioning: str, eps: float, dtype, symmetric_gram=None):
-  """All steps on one wide matrix or a stack of them.
-
-  ``coeff(k, j)`` reads coefficient j of step k. ``symmetric_gram`` (stacks
-  only) computes both symmetric products of a step; None computes them as
-  Optax does (one dot each).
-  """
-  if preconditioning == "frobenius":
-    x = _per_matrix(functools.partial(_frobenius_scale, eps=eps), x)
-  x = x.astype(dtype)
-  for k in range(steps):
-    gram = _gram(x) if symmetric_gram is None else symmetric_gram(x)
-    if k == 0 and preconditioning in ("aol", "schatten"):
-      rescale = functools.partial(_first_step_rescale, preconditioning=preconditioning, eps=eps)
-      x, gram = _per_matrix(rescale, x, gram)
-      x = x.astype(dtype)
-    x = _ns_step(x, gram, coeff(k, 0), coeff(k, 1), coeff(k, 2), dtype, symmetric_gram)
-  return x
-
-
-def _spectral_prescale(stack, eps):
-  norms = jnp.linalg.norm(stack.astype(jnp.float32), ord=2, axis=(-2, -1), keepdims=True)
-  return stack.astype(jnp.float32) / (norms + eps)
 
 
 def _check_args(x, coeffs, preconditioning, iter_dtype):
@@ -289,9 +215,9 @@ def newton_schulz_reference(
   gram_levels = check_levels(gram_levels)
   stack, restore = _wide_stack(x)
   if preconditioning == "spectral":
-    stack, preconditioning = _spectral_prescale(stack, eps), "none"
+    stack, preconditioning = ns_math.spectral_prescale(stack, eps), "none"
   symmetric = functools.partial(gram_reference, levels=gram_levels) if gram_levels else None
-  out = _ns_iterations(
+  out = ns_math.ns_iterations(
       stack, lambda k, j: coeffs[k, j], coeffs.shape[0], preconditioning, eps, dtype, symmetric
   )
   return restore(out)
@@ -303,7 +229,7 @@ def newton_schulz_reference(
 def _resident_kernel(scalar_ref, x_ref, o_ref, *, steps, preconditioning, dtype):
   # scalar_ref = [eps, a_0, b_0, c_0, a_1, ...]: eps may be traced (e.g. by
   # optax.inject_hyperparams), so it is data like the coefficients.
-  x = _ns_iterations(
+  x = ns_math.ns_iterations(
       x_ref[...], lambda k, j: scalar_ref[1 + 3 * k + j], steps, preconditioning,
       scalar_ref[0], dtype,
   )
@@ -385,166 +311,6 @@ def _resident(stack, coeffs, *, preconditioning, eps, dtype, out_dtype, interpre
   return _matrix.unpad_stack(out, (m, n))
 
 
-# ---- Tiled regime: three tiled matmuls per step, symmetric where possible. ----
-
-_TPU_TILE = 256
-
-# How a kernel operand is read at grid point (i, j) and reduction step k:
-# "ik" / "jk" / "kj" / "ij" name the tile; "sym_" operands are symmetric
-# matrices of which only the upper triangle of tiles is ever written, so the
-# tile below the diagonal is read as the transpose of its mirror image.
-_KINDS = ("ik", "jk", "kj", "ij", "sym_ik", "sym_kj")
-
-
-def _tile_coords(kind: str, i, j, k):
-  """(tile row, tile col, transpose?) of operand ``kind`` at ``(i, j, k)``."""
-  r, c = {"ik": (i, k), "jk": (j, k), "kj": (k, j), "ij": (i, j)}[kind.removeprefix("sym_")]
-  if kind.startswith("sym_"):
-    return jnp.minimum(r, c), jnp.maximum(r, c), r > c
-  return r, c, None
-
-
-def _maybe_transpose(tile, flip):
-  return tile if flip is None else jnp.where(flip, tile.T, tile)
-
-
-def _tiled_body(scalar_ref, *refs, kinds, prologue, epilogue, nt, upper_only, num_k):
-  """One output tile: ``epilogue(s, sum_k lhs_k · rhs_k, *epilogue_tiles)``.
-
-  ``refs`` are the operand tiles (lhs, rhs, epilogue operands), the output
-  tile and the f32 accumulator; the reduction walks k on the innermost grid
-  axis.
-  """
-  num_in = len(kinds)
-  in_refs, out_ref, acc_ref = refs[:num_in], refs[num_in], refs[num_in + 1]
-  s = tuple(scalar_ref[q] for q in range(3))
-  i, j, k = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-  dims = (((1,), (1,)), ((), ())) if nt else (((1,), (0,)), ((), ()))
-
-  def load(q):
-    return _maybe_transpose(in_refs[q][...], _tile_coords(kinds[q], i, j, k)[2])
-
-  def compute():
-    @pl.when(k == 0)
-    def _():
-      acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    lhs, rhs = prologue(s, load(0), load(1))
-    acc_ref[...] += jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
-
-    @pl.when(k == num_k - 1)
-    def _():
-      extra = [load(q).astype(jnp.float32) for q in range(2, num_in)]
-      out_ref[...] = epilogue(s, acc_ref[...], *extra).astype(out_ref.dtype)
-
-  if upper_only:
-    pl.when(j >= i)(compute)
-  else:
-    compute()
-
-
-def _tiled_call(
-    operands, kinds, scalars, out_shape, *, prologue, epilogue, nt, upper_only,
-    tile, num_k, interpret, name, flops,
-):
-  """One tiled matmul with a fused prologue/epilogue over a stack."""
-  batch, rows, cols = out_shape.shape
-  scalar_vec, scalar_spec = scalar_input(scalars, "tpu")
-
-  def spec(kind):
-    def index_map(b, i, j, k):
-      r, c, _ = _tile_coords(kind, i, j, k if kind != "ij" else 0)
-      return b, r, c
-    return _matrix.matrix_spec((tile, tile), index_map)
-
-  params = _compat.compiler_params(
-      "tpu", ("parallel", "parallel", "parallel", "arbitrary"), interpret=interpret
-  )
-  kernel = functools.partial(
-      _tiled_body, kinds=kinds, prologue=prologue, epilogue=epilogue, nt=nt,
-      upper_only=upper_only, num_k=num_k,
-  )
-  nbytes = sum(x.size * x.dtype.itemsize for x in operands)
-  nbytes += out_shape.size * jnp.dtype(out_shape.dtype).itemsize
-  return pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(batch, rows // tile, cols // tile, num_k),
-      in_specs=[scalar_spec] + [spec(kind) for kind in kinds],
-      out_specs=_matrix.matrix_spec((tile, tile), lambda b, i, j, k: (b, i, j)),
-      scratch_shapes=[pltpu.VMEM((tile, tile), jnp.float32)],
-      compiler_params=params,
-      interpret=interpret,
-      name=name,
-      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes),
-  )(scalar_vec, *operands)
-
-
-def _tiled_step(x, a_b_c, *, first_rescale, eps, dtype, tile, interpret):
-  r"""One NS step on a padded stack ``x`` (``(batch, M, N)``, ``dtype``).
-
-  Three launches, each a tiled matmul with its epilogue fused:
-
-  1. ``A = X Xᵀ`` (f32): only tiles ``(i, j)`` with ``j >= i`` are computed
-     (:math:`M^2 N` instead of :math:`2 M^2 N` flops);
-  2. ``B = b A + (c A) A`` (``dtype``): ``A²`` is symmetric too, so again only
-     the upper tiles (:math:`M^3` instead of :math:`2 M^3`); tiles of ``A``
-     below the diagonal are read as transposes of their mirror tiles, and
-     ``b A`` is added in the epilogue;
-  3. ``X ← a X + B X``: a full tiled matmul reading ``B`` mirrored, with
-     ``a X`` added in the epilogue.
-
-  Lower tiles of ``A`` and ``B`` are never written nor read; the reduction
-  walks the innermost grid axis into a VMEM f32 accumulator.
-  """
-  batch, rows, cols = x.shape
-  f32 = jnp.float32
-  call = functools.partial(_tiled_call, tile=tile, interpret=interpret)
-  gram = call(
-      [x, x], ("ik", "jk"), a_b_c, jax.ShapeDtypeStruct((batch, rows, rows), f32),
-      prologue=lambda s, l, r: (l, r), epilogue=lambda s, acc: acc, nt=True,
-      upper_only=True, num_k=cols // tile, name="newton_schulz_gram",
-      flops=batch * rows * rows * cols,
-  )
-  if first_rescale is not None:
-    rescale = functools.partial(_first_step_rescale, preconditioning=first_rescale, eps=eps)
-    x, gram = _per_matrix(rescale, x, mirror_upper(gram))
-    x = x.astype(dtype)
-  poly = call(
-      [gram, gram, gram], ("sym_ik", "sym_kj", "ij"), a_b_c,
-      jax.ShapeDtypeStruct((batch, rows, rows), dtype),
-      prologue=lambda s, l, r: ((s[2] * l).astype(dtype), r.astype(dtype)),
-      epilogue=lambda s, acc, g: s[1] * g + acc, nt=False, upper_only=True,
-      num_k=rows // tile, name="newton_schulz_poly", flops=batch * rows**3,
-  )
-  return call(
-      [poly, x, x], ("sym_ik", "kj", "ij"), a_b_c, jax.ShapeDtypeStruct(x.shape, dtype),
-      prologue=lambda s, l, r: (l, r), epilogue=lambda s, acc, xt: s[0] * xt + acc,
-      nt=False, upper_only=False, num_k=rows // tile, name="newton_schulz_update",
-      flops=2 * batch * rows * rows * cols,
-  )
-
-
-def _tiled(stack, coeffs, *, tile, preconditioning, eps, dtype, interpret):
-  tile = _TPU_TILE if tile is None else tile
-  if tile < 16 or tile & (tile - 1) or (not interpret and tile % 128):
-    raise ValueError(
-        f"tile must be a power of two >= 16 (a multiple of 128 compiled for TPU); got {tile}."
-    )
-  _, m, n = stack.shape
-  if preconditioning == "frobenius":
-    stack = _per_matrix(functools.partial(_frobenius_scale, eps=eps), stack)
-  dims = (_matrix.round_up(m, tile), _matrix.round_up(n, tile))
-  x = _matrix.pad_stack(stack.astype(dtype), dims)
-  first_rescale = preconditioning if preconditioning in ("aol", "schatten") else None
-  for k in range(coeffs.shape[0]):
-    x = _tiled_step(
-        x, coeffs[k], first_rescale=first_rescale if k == 0 else None, eps=eps,
-        dtype=dtype, tile=tile, interpret=interpret,
-    )
-  return _matrix.unpad_stack(x, (m, n))
-
-
 def newton_schulz_kernel(
     x: jax.Array,
     coeffs: jax.Array,
@@ -574,7 +340,7 @@ def newton_schulz_kernel(
     raise ValueError(f"regime must be one of {REGIMES}; got {regime!r}.")
   stack, restore = _wide_stack(x)
   if preconditioning == "spectral":
-    stack, preconditioning = _spectral_prescale(stack, eps), "none"
+    stack, preconditioning = ns_math.spectral_prescale(stack, eps), "none"
   if regime == "auto":
     regime = choose_regime(stack.shape[1], stack.shape[2], backend)
   if backend == "triton":
@@ -590,7 +356,7 @@ def newton_schulz_kernel(
   if regime == "resident":
     out = _resident(stack, coeffs, out_dtype=dtype, **kwargs)
   else:
-    out = _tiled(stack, coeffs, tile=tile, **kwargs)
+    out = ns_tiled.tiled(stack, coeffs, tile=tile, **kwargs)
   return restore(out)
 
 
@@ -601,7 +367,7 @@ def _wgmma(stack, coeffs, *, preconditioning, eps, dtype, interpret):
   products have flops to save.
   """
   symmetric = functools.partial(gram_kernel, interpret=interpret)
-  return _ns_iterations(
+  return ns_math.ns_iterations(
       stack, lambda k, j: coeffs[k, j], coeffs.shape[0], preconditioning, eps, dtype, symmetric
   )
 
