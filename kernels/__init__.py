@@ -19,8 +19,8 @@ dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
 * `pallasopt.kernels.gram`: symmetric Gram matrices ``X Xᵀ``, upper blocks
   only (Newton–Schulz's symmetric products): a block recursion in XLA and a
   Mosaic GPU ``wgmma`` kernel;
-* `pallasopt.kernels.kron`: PSGD Kron preconditioner application and factor
-  update;
+* `pallasopt.kernels.kron` and `pallasopt.kernels.kron_factor`: PSGD Kron
+  preconditioner application and factor update;
 * `pallasopt.kernels.quant`: low-precision state shared by every family:
   8-bit blockwise codes (dynamic tree maps), counter-hash random bits and
   stochastic rounding to bfloat16.
@@ -31,6 +31,7 @@ from pallasopt.kernels import (
     adamw,
     gram,
     kron,
+    kron_factor,
     lion,
     mars,
     newton_schulz,
@@ -53,13 +54,8 @@ from pallasopt.kernels.adamw import (
     adamw_scalars,
     adamw_updates,
 )
-from pallasopt.kernels.kron import (
-    KronScalars,
-    kron_factor_update,
-    kron_precondition,
-    kron_scalars,
-    norm_lower_bound,
-)
+from pallasopt.kernels.kron import KronScalars, kron_precondition, kron_scalars, norm_lower_bound
+from pallasopt.kernels.kron_factor import kron_factor_update
 from pallasopt.kernels.lion import (
     LionScalars,
     lion_apply,
@@ -85,6 +81,7 @@ __all__ = [
     "adamw",
     "gram",
     "kron",
+    "kron_factor",
     "lion",
     "mars",
     "newton_schulz",

@@ -70,6 +70,7 @@ from jax.extend.random import threefry2x32_p
 
 from pallasopt.kernels import _compat
 from pallasopt.kernels import kron as kk
+from pallasopt.kernels.kron_factor import kron_factor_update
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
@@ -329,7 +330,7 @@ class _Core:
       for axis, (q, q_flat) in enumerate(zip(layer_qs, flat_qs)):
         x = jax.vmap(lambda t: kk.matricize(t, axis))(a)
         y = jax.vmap(lambda t: kk.matricize(t, axis))(conj)
-        new_q = kk.kron_factor_update(
+        new_q = kron_factor_update(
             q_flat if q_flat.ndim > 1 else q_flat[:, None], x, y, self.preconditioner_lr,
             precision=self.update_precision, map_batch_size=self.map_batch_size, impl=self.impl,
         )

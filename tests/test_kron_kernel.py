@@ -10,6 +10,7 @@ from hypothesis import given, strategies as st
 
 from helpers import assert_close
 from pallasopt.kernels import kron as kk
+from pallasopt.kernels import kron_factor as kf
 
 RTOL = 2e-5
 
@@ -99,8 +100,8 @@ def test_factor_update_kernel_equals_reference(kind, d, r, backend):
   rng = np.random.default_rng(d * r)
   q = _factor(rng, 2, d, kind)
   x, y = (jnp.asarray(rng.standard_normal((2, d, r)), jnp.float32) for _ in range(2))
-  want = jax.jit(kk.kron_factor_update_reference)(q, x, y, 0.1)
-  got = _jit(kk.kron_factor_update_kernel, backend=backend, interpret=True)(q, x, y, 0.1)
+  want = jax.jit(kf.kron_factor_update_reference)(q, x, y, 0.1)
+  got = _jit(kf.kron_factor_update_kernel, backend=backend, interpret=True)(q, x, y, 0.1)
   assert got.shape == q.shape and got.dtype == q.dtype
   assert_close(got, want, RTOL)
 
@@ -110,8 +111,8 @@ def test_factor_update_keeps_q_upper_triangular():
   q = _factor(rng, 3, 6, "dense")
   x, y = (jnp.asarray(rng.standard_normal((3, 6, 11)), jnp.float32) for _ in range(2))
   for new in (
-      jax.jit(kk.kron_factor_update_reference)(q, x, y, 0.1),
-      _jit(kk.kron_factor_update_kernel, backend="triton", interpret=True)(q, x, y, 0.1),
+      jax.jit(kf.kron_factor_update_reference)(q, x, y, 0.1),
+      _jit(kf.kron_factor_update_kernel, backend="triton", interpret=True)(q, x, y, 0.1),
   ):
     new = np.asarray(new)
     assert np.all(np.tril(new, -1) == 0)
@@ -207,7 +208,7 @@ def test_kernels_carry_cost_estimates_and_alias_in_place():
   # Inputs: scalars, g, mu, p, ql, qr -> outputs p, mu.
   assert dict(eqn.params["input_output_aliases"]) == {2: 1, 3: 0}
   x = jnp.ones((2, 16, 32))
-  eqn = _pallas_eqn(lambda q, x: kk.kron_factor_update_kernel(q, x, x, 0.1, backend="triton"), qs[0], x)
+  eqn = _pallas_eqn(lambda q, x: kf.kron_factor_update_kernel(q, x, x, 0.1, backend="triton"), qs[0], x)
   assert eqn.params["cost_estimate"].flops >= 2 * 4 * 16 * 16 * 32
   assert dict(eqn.params["input_output_aliases"]) == {1: 0}
 
@@ -215,7 +216,7 @@ def test_kernels_carry_cost_estimates_and_alias_in_place():
 def test_large_layers_run_the_reference():
   x = jax.ShapeDtypeStruct((1, 300, 300), jnp.float32)
   q = jax.ShapeDtypeStruct((1, 300, 300), jnp.float32)
-  jaxpr = jax.make_jaxpr(lambda q, x: kk.kron_factor_update_kernel(q, x, x, 0.1, backend="triton"))(q, x)
+  jaxpr = jax.make_jaxpr(lambda q, x: kf.kron_factor_update_kernel(q, x, x, 0.1, backend="triton"))(q, x)
   assert "pallas_call" not in str(jaxpr)
 
 
@@ -224,7 +225,7 @@ def test_large_layers_run_the_reference():
     [
         (lambda x: kk.kron_precondition_reference(x, None, None, [x[0]], kk.kron_scalars(1), mode="fused"), "mode must be one of"),
         (lambda x: kk.kron_precondition_reference(x, None, None, [x[0]], kk.kron_scalars(1), mode="apply"), "p is required"),
-        (lambda x: kk.kron_factor_update_reference(x, x, x, 0.1), "expected q"),
+        (lambda x: kf.kron_factor_update_reference(x, x, x, 0.1), "expected q"),
         (lambda x: kk.kron_precondition_reference(x, x, x, [x[0]], kk.kron_scalars(1), mode="apply", precision="fp8"), "precision must be one of"),
     ],
 )

@@ -12,6 +12,7 @@ import pytest
 
 from helpers import CUSTOM_CALL, lowered_text
 from pallasopt.kernels import kron as kk
+from pallasopt.kernels import kron_factor as kf
 from pallasopt.kernels._target import Target
 from pallasopt.optim.kron import kron
 
@@ -67,7 +68,7 @@ def test_factor_update_kernel_lowers(platform, q_shape, r):
   q = _sds(q_shape)
   x = _sds(q_shape[:2] + (r,))
   for impl in ("pallas", "auto"):
-    fn = lambda q, x, y: kk.kron_factor_update(q, x, y, 0.1, impl=impl)
+    fn = lambda q, x, y: kf.kron_factor_update(q, x, y, 0.1, impl=impl)
     expected = _kernel_runs(platform, q_shape[1]) * (impl == "pallas" or platform != "tpu")
     assert lowered_text(fn, platform, q, x, x).count(CUSTOM_CALL[platform]) == expected, impl
 
@@ -98,7 +99,7 @@ def test_matmul_precisions_lower(platform, precision):
   g, q = _sds((2, 64, 32)), _factors(2, (64, 32), ("dense", "dense"))
   s = kk.kron_scalars(jnp.int32(1))
   precond = lambda g, qs: kk.kron_precondition(g, None, None, qs, s, mode="precond", precision=precision, impl="pallas")
-  update = lambda q, x: kk.kron_factor_update(q, x, x, 0.1, precision=precision, impl="pallas")
+  update = lambda q, x: kf.kron_factor_update(q, x, x, 0.1, precision=precision, impl="pallas")
   assert lowered_text(precond, platform, g, q).count(CUSTOM_CALL[platform]) == 1
   assert lowered_text(update, platform, q[0], g).count(CUSTOM_CALL[platform]) == 1
 
