@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from bench import records  # noqa: E402
-from pallasopt.optim import AdamWConfig, OptimizerFactory, SchedulerConfig  # noqa: E402
+from pallasopt.optim.eformer import AdamWConfig, OptimizerFactory, SchedulerConfig  # noqa: E402
 from pallasopt.pipeline.circular import circular_pipeline  # noqa: E402
 from pallasopt.pipeline.layout import layers_to_stages  # noqa: E402
 from pallasopt.pipeline.schedule import CircularSchedule  # noqa: E402

@@ -18,10 +18,10 @@ pallasopt              counterpart
 `quad`, `skew`         eFormer's White-Kron ``quad``, ``skew``
 =====================  ======================================
 
-eFormer's factory layer (`OptimizerFactory`, `SchedulerFactory`, the
-builder classes, `register_optimizer` / `register_scheduler` and the configs)
-builds them with eFormer's calls, chain and state tree; the stage-local layer
-(`StageLocalGradientTransformation.apply_gradients_stage_local`) updates one
+eFormer's layer is `pallasopt.optim.eformer` (as ``eformer.optimizers``):
+its factory (`eformer.OptimizerFactory`, the builders, registries and
+configs) builds these transforms with eFormer's calls, chain and state tree,
+and its stage-local path (``apply_gradients_stage_local``) updates one
 pipeline stage's params from its own gradients with the same fused kernels.
 
 Low-bit state: the elementwise optimizers take ``state_format="bf16"``,
@@ -36,40 +36,6 @@ from pallasopt.kernels.quant import (
 from pallasopt.optim._base import FusedGradientTransformation, FusedUpdate, apply_gradients, fused_update
 from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
 from pallasopt.optim.adamw import adamw, nadamw
-from pallasopt.optim.configs import (
-    AdafactorConfig,
-    AdamWConfig,
-    KronConfig,
-    LionConfig,
-    MarsConfig,
-    MuonConfig,
-    RMSPropConfig,
-    SchedulerConfig,
-    ScionConfig,
-    SerializationMixin,
-    SoapConfig,
-    WhiteKronConfig,
-)
-from pallasopt.optim.factory import (
-    AdafactorOptimizer,
-    AdamWOptimizer,
-    ConstantSchedulerBuilder,
-    CosineSchedulerBuilder,
-    KronOptimizer,
-    LinearSchedulerBuilder,
-    LionOptimizer,
-    MarsOptimizer,
-    MuonOptimizer,
-    OptimizerBuilder,
-    OptimizerFactory,
-    QuadOptimizer,
-    RMSPropOptimizer,
-    SchedulerBuilder,
-    SchedulerFactory,
-    SkewOptimizer,
-    register_optimizer,
-    register_scheduler,
-)
 from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_schedule, scale_by_kron
 from pallasopt.optim.lion import lion
 from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
@@ -84,20 +50,6 @@ from pallasopt.optim.muon import (
     MuonState,
     muon,
 )
-from pallasopt.optim.scheduled_decay import (
-    OptaxScheduledWeightDecayState,
-    add_scheduled_weight_decay,
-    optax_add_scheduled_weight_decay,
-)
-from pallasopt.optim.stage_local import (
-    StageLocalGradientTransformation,
-    StageLocalOptimizerMetadata,
-    fused_stage_local_apply,
-    make_stage_local_gradient_transformation,
-    make_unsupported_stage_local_gradient_transformation,
-    stage_local_grad_norm,
-)
-
 __all__ = [
     "FusedGradientTransformation",
     "FusedUpdate",
@@ -137,45 +89,17 @@ __all__ = [
     "MuonDimensionNumbers",
     "MuonSecondMomentState",
     "MuonState",
-    "add_scheduled_weight_decay",
-    "optax_add_scheduled_weight_decay",
-    "OptaxScheduledWeightDecayState",
-    # eFormer's factory layer.
-    "OptimizerFactory",
-    "SchedulerFactory",
-    "OptimizerBuilder",
-    "SchedulerBuilder",
-    "register_optimizer",
-    "register_scheduler",
-    "AdamWOptimizer",
-    "AdafactorOptimizer",
-    "LionOptimizer",
-    "RMSPropOptimizer",
-    "MuonOptimizer",
-    "MarsOptimizer",
-    "KronOptimizer",
-    "QuadOptimizer",
-    "SkewOptimizer",
-    "ConstantSchedulerBuilder",
-    "LinearSchedulerBuilder",
-    "CosineSchedulerBuilder",
-    "AdafactorConfig",
-    "AdamWConfig",
-    "KronConfig",
-    "LionConfig",
-    "MarsConfig",
-    "MuonConfig",
-    "RMSPropConfig",
-    "WhiteKronConfig",
-    "SoapConfig",
-    "ScionConfig",
-    "SerializationMixin",
-    "SchedulerConfig",
-    # Stage-local layer.
-    "StageLocalGradientTransformation",
-    "StageLocalOptimizerMetadata",
-    "fused_stage_local_apply",
-    "make_stage_local_gradient_transformation",
-    "make_unsupported_stage_local_gradient_transformation",
-    "stage_local_grad_norm",
+    "eformer",
 ]
+
+from pallasopt.optim import eformer  # noqa: E402  (after the drop-ins it builds)
+
+
+def __getattr__(name: str):
+  # eFormer's names lived here until 2026-11-26: say where they went.
+  if name in eformer.__all__:
+    raise AttributeError(
+        f"pallasopt.optim.{name} moved to pallasopt.optim.eformer.{name} (eFormer's layer is "
+        "its own package): import it from there."
+    )
+  raise AttributeError(f"module 'pallasopt.optim' has no attribute {name!r}")

@@ -47,7 +47,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from pallasopt.kernels._compat import shard_map
-from pallasopt.optim import stage_local_grad_norm
+from pallasopt.optim.eformer import stage_local_grad_norm
 from pallasopt.pipeline.circular import StageFn, _check_config, circular_pipeline, io_specs
 from pallasopt.pipeline.layout import STAGE_AXIS, check_stacked, stage_shardings, stage_specs
 from pallasopt.pipeline.schedule import CircularSchedule
@@ -182,7 +182,7 @@ def make_train_step(
       ``targets`` are ``[M, microbatch, ...]``. With streamed io they stay
       sharded over the stages, so a loss that reduces them (a mean) costs one
       scalar all-reduce and never gathers them.
-    tx: a stage-local transform (`pallasopt.optim.OptimizerFactory.create`)
+    tx: a stage-local transform (`pallasopt.optim.eformer.OptimizerFactory.create`)
       built with ``stacked_axes=schedule.stacked_axes``.
     mesh: the device mesh, with `stage_axis` (and `data_axis`).
     schedule: the `CircularSchedule`.
@@ -208,7 +208,7 @@ def make_train_step(
   if not callable(getattr(tx, "apply_gradients_stage_local", None)):
     raise TypeError(
         "tx must be a stage-local transform with apply_gradients_stage_local (build it with"
-        f" pallasopt.optim.OptimizerFactory.create), got {type(tx).__name__}."
+        f" pallasopt.optim.eformer.OptimizerFactory.create), got {type(tx).__name__}."
     )
   unsupported = getattr(tx.apply_gradients_stage_local, "unsupported_reason", None)
   if unsupported:

@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from pipeline_model import layer, make_batch, make_layers, mse, sequential  # noqa: E402
-from pallasopt.optim import AdamWConfig, OptimizerFactory, SchedulerConfig  # noqa: E402
+from pallasopt.optim.eformer import AdamWConfig, OptimizerFactory, SchedulerConfig  # noqa: E402
 from pallasopt.pipeline.layout import layers_to_stages, stages_to_layers  # noqa: E402
 from pallasopt.pipeline.schedule import CircularSchedule  # noqa: E402
 from pallasopt.pipeline.sharding import barrier_sync  # noqa: E402

@@ -21,6 +21,7 @@ import pytest
 
 from helpers import assert_trees_close
 from pallasopt import optim
+from pallasopt.optim import eformer
 
 DATA = json.loads((pathlib.Path(__file__).parent / "data" / "eformer_factory.json").read_text())
 RUNS = sorted(DATA["runs"])
@@ -44,9 +45,9 @@ def _grads(params, i):
 
 def _create(run, **kwargs):
   name, k = DATA["runs"][run]["optimizer"], run.split("/")[1]
-  config_cls = optim.OptimizerFactory._get_config_class(name)
-  return optim.OptimizerFactory.create(
-      name, optim.SchedulerConfig(**DATA["scheduler"]), config_cls(**DATA["runs"][run]["config"]),
+  config_cls = eformer.OptimizerFactory._get_config_class(name)
+  return eformer.OptimizerFactory.create(
+      name, eformer.SchedulerConfig(**DATA["scheduler"]), config_cls(**DATA["runs"][run]["config"]),
       weight_decay=DATA["weight_decay"], weight_decay_mask=DATA["mask"],
       clip_grad=DATA["clip_grad"], gradient_accumulation_steps=int(k[1:]), **kwargs,
   )
@@ -145,10 +146,10 @@ def test_lion_keeps_optax_default_decay_as_a_config_field():
   grads = _grads(params, 0)
   updates = {}
   for decay in (1e-3, 0.0):
-    tx, _ = optim.OptimizerFactory.create("lion", optim.SchedulerConfig(learning_rate=1e-2),
-                                          optim.LionConfig(weight_decay=decay), impl="xla")
+    tx, _ = eformer.OptimizerFactory.create("lion", eformer.SchedulerConfig(learning_rate=1e-2),
+                                          eformer.LionConfig(weight_decay=decay), impl="xla")
     updates[decay], _ = tx.update(grads, tx.init(params), params)
-  assert optim.LionConfig().weight_decay == 1e-3
+  assert eformer.LionConfig().weight_decay == 1e-3
   # The difference cancels two updates of size lr = 1e-2: a few f32 ulps of them.
   np.testing.assert_allclose(updates[1e-3]["w"] - updates[0.0]["w"], -1e-2 * 1e-3 * params["w"],
                              rtol=0, atol=4 * np.finfo(np.float32).eps * 1e-2)
@@ -156,11 +157,11 @@ def test_lion_keeps_optax_default_decay_as_a_config_field():
 
 def test_scheduled_decay_link_is_the_state_and_math_of_eformers():
   schedule = optax.linear_schedule(1.0, 0.5, 4)
-  link = optim.add_scheduled_weight_decay(lambda t: -schedule(t) * 0.1, {"a": True, "b": False})
+  link = eformer.add_scheduled_weight_decay(lambda t: -schedule(t) * 0.1, {"a": True, "b": False})
   params = {"a": jnp.ones(3), "b": jnp.ones(2)}
   state = link.init(params)
   assert isinstance(state, optax.MaskedState)
-  assert isinstance(state.inner_state, optim.OptaxScheduledWeightDecayState)
+  assert isinstance(state.inner_state, eformer.OptaxScheduledWeightDecayState)
   zeros = jax.tree.map(jnp.zeros_like, params)
   for t in range(3):
     updates, state = link.update(zeros, state, params)
@@ -168,63 +169,63 @@ def test_scheduled_decay_link_is_the_state_and_math_of_eformers():
     np.testing.assert_array_equal(updates["b"], np.zeros(2))
   assert int(state.inner_state.count) == 3
   with pytest.raises(ValueError, match="update needs params"):
-    optim.add_scheduled_weight_decay(lambda t: 0.1).update(zeros, state.inner_state)
+    eformer.add_scheduled_weight_decay(lambda t: 0.1).update(zeros, state.inner_state)
   with pytest.raises(TypeError, match="schedule_fn must be callable"):
-    optim.add_scheduled_weight_decay(0.1)
+    eformer.add_scheduled_weight_decay(0.1)
 
 
 def test_kwargs_fill_the_default_config_and_others_warn():
-  tx, _ = optim.OptimizerFactory.create("adamw", b1=0.8, impl="xla")
-  assert tx.metadata.optimizer_config == optim.AdamWConfig(b1=0.8)
+  tx, _ = eformer.OptimizerFactory.create("adamw", b1=0.8, impl="xla")
+  assert tx.metadata.optimizer_config == eformer.AdamWConfig(b1=0.8)
   with pytest.warns(UserWarning, match=r"ignores \['bb1'\].*did you mean 'b1' for 'bb1'"):
-    optim.OptimizerFactory.create("adamw", bb1=0.8, impl="xla")
+    eformer.OptimizerFactory.create("adamw", bb1=0.8, impl="xla")
   with pytest.warns(UserWarning, match=r"ignores \['b1'\].*or optimizer_config was given"):
-    tx, _ = optim.OptimizerFactory.create("adamw", None, optim.AdamWConfig(), b1=0.5)
+    tx, _ = eformer.OptimizerFactory.create("adamw", None, eformer.AdamWConfig(), b1=0.5)
   assert tx.metadata.optimizer_config.b1 == 0.9
   # String dtypes become dtypes in place, as eFormer converts them.
-  config = optim.AdamWConfig(mu_dtype="bfloat16")
-  optim.OptimizerFactory.create("adamw", None, config, impl="xla")
+  config = eformer.AdamWConfig(mu_dtype="bfloat16")
+  eformer.OptimizerFactory.create("adamw", None, config, impl="xla")
   assert config.mu_dtype is jnp.bfloat16
 
 
 def test_custom_scheduler_and_scheduler_factory():
-  config = optim.SchedulerConfig(learning_rate=1.0, steps=8)
-  _, schedule = optim.OptimizerFactory.create(
+  config = eformer.SchedulerConfig(learning_rate=1.0, steps=8)
+  _, schedule = eformer.OptimizerFactory.create(
       "adamw", config, custom_scheduler=lambda steps: optax.linear_schedule(1.0, 0.0, steps))
   assert float(schedule(4)) == 0.5
   with pytest.raises(ValueError, match="custom_scheduler is called with config.steps"):
-    optim.SchedulerFactory.create_scheduler(optim.SchedulerConfig(), lambda steps: None)
+    eformer.SchedulerFactory.create_scheduler(eformer.SchedulerConfig(), lambda steps: None)
   with pytest.raises(TypeError, match="config must be a SchedulerConfig"):
-    optim.SchedulerFactory.create_scheduler({"learning_rate": 1.0})
+    eformer.SchedulerFactory.create_scheduler({"learning_rate": 1.0})
   with pytest.warns(UserWarning, match="without warmup_steps ignores exponent=2.0"):
-    optim.SchedulerFactory.create_scheduler(optim.SchedulerConfig("cosine", 1.0, steps=8,
+    eformer.SchedulerFactory.create_scheduler(eformer.SchedulerConfig("cosine", 1.0, steps=8,
                                                                   exponent=2.0))
 
 
 def test_template_and_config_serialization_are_eformers():
-  template = optim.OptimizerFactory.generate_template("lion")
+  template = eformer.OptimizerFactory.generate_template("lion")
   assert template.splitlines()[:3] == ["LionConfig(", "    b1: float = 0.9", "    b2: float = 0.99"]
-  config = optim.MarsConfig(beta1=0.9, max_grad_norm=None)
-  as_dict = optim.OptimizerFactory.serialize_config(config)
-  as_json = optim.OptimizerFactory.serialize_config(config, format="json")
-  assert optim.OptimizerFactory.deserialize_config("mars", as_dict) == config
-  assert optim.OptimizerFactory.deserialize_config("mars", as_json, format="json") == config
+  config = eformer.MarsConfig(beta1=0.9, max_grad_norm=None)
+  as_dict = eformer.OptimizerFactory.serialize_config(config)
+  as_json = eformer.OptimizerFactory.serialize_config(config, format="json")
+  assert eformer.OptimizerFactory.deserialize_config("mars", as_dict) == config
+  assert eformer.OptimizerFactory.deserialize_config("mars", as_json, format="json") == config
   with pytest.raises(ValueError, match="format must be 'dict' or 'json'"):
-    optim.OptimizerFactory.serialize_config(config, format="yaml")
+    eformer.OptimizerFactory.serialize_config(config, format="yaml")
   with pytest.raises(TypeError, match="format='json' needs a str"):
-    optim.OptimizerFactory.deserialize_config("mars", as_dict, format="json")
+    eformer.OptimizerFactory.deserialize_config("mars", as_dict, format="json")
 
 
 def test_builder_classes_are_eformers():
-  for name, cls in [("adamw", optim.AdamWOptimizer), ("lion", optim.LionOptimizer),
-                    ("adafactor", optim.AdafactorOptimizer), ("rmsprop", optim.RMSPropOptimizer),
-                    ("muon", optim.MuonOptimizer), ("mars", optim.MarsOptimizer)]:
-    builder = cls(config=optim.OptimizerFactory._get_config_class(name)(), impl="xla")
+  for name, cls in [("adamw", eformer.AdamWOptimizer), ("lion", eformer.LionOptimizer),
+                    ("adafactor", eformer.AdafactorOptimizer), ("rmsprop", eformer.RMSPropOptimizer),
+                    ("muon", eformer.MuonOptimizer), ("mars", eformer.MarsOptimizer)]:
+    builder = cls(config=eformer.OptimizerFactory._get_config_class(name)(), impl="xla")
     tx = builder.build(optax.constant_schedule(1e-3))
     assert isinstance(tx, optim.FusedGradientTransformation), name
     assert [f.name for f in dataclasses.fields(cls)][0] == "config"
-  schedule = optim.CosineSchedulerBuilder(
-      optim.SchedulerConfig("cosine", 1e-2, 1e-3, warmup_steps=2, steps=10)).build()
+  schedule = eformer.CosineSchedulerBuilder(
+      eformer.SchedulerConfig("cosine", 1e-2, 1e-3, warmup_steps=2, steps=10)).build()
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     np.testing.assert_allclose(

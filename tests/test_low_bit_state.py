@@ -543,16 +543,16 @@ def test_sharding_specs_and_a_sharded_step(fmt):
 
 
 @pytest.mark.parametrize("name,config", [
-    ("adamw", pallasopt.optim.AdamWConfig(state_format="int8", seed=3)),
-    ("lion", pallasopt.optim.LionConfig(state_format="bf16", param_rounding="stochastic")),
-    ("muon", pallasopt.optim.MuonConfig(state_format="int8")),
-    ("adafactor", pallasopt.optim.AdafactorConfig(momentum=0.9, state_format="bf16")),
+    ("adamw", pallasopt.optim.eformer.AdamWConfig(state_format="int8", seed=3)),
+    ("lion", pallasopt.optim.eformer.LionConfig(state_format="bf16", param_rounding="stochastic")),
+    ("muon", pallasopt.optim.eformer.MuonConfig(state_format="int8")),
+    ("adafactor", pallasopt.optim.eformer.AdafactorConfig(momentum=0.9, state_format="bf16")),
 ])
 def test_stage_local_path_runs_low_bit_state(name, config):
   # The configs carry the format through the factory; the stage-local fused
   # apply equals the same transform's update, and a None grad freezes its
   # leaf (its params and moments come back untouched).
-  tx, _ = pallasopt.optim.OptimizerFactory.create(name, None, config, impl="xla")
+  tx, _ = pallasopt.optim.eformer.OptimizerFactory.create(name, None, config, impl="xla")
   params = {k: v for k, v in _params().items() if k != "h"}
   grads = _grads(params, 0)
   state = tx.init(params)
@@ -560,7 +560,7 @@ def test_stage_local_path_runs_low_bit_state(name, config):
       lambda p, g, s: tx.apply_gradients_stage_local(params=p, grads=g, opt_state=s)
   )(params, {**grads, "b": None}, state)
   # The update path rounds bf16 params to nearest (so it refuses "stochastic").
-  ref, _ = pallasopt.optim.OptimizerFactory.create(
+  ref, _ = pallasopt.optim.eformer.OptimizerFactory.create(
       name, None, dataclasses.replace(config, param_rounding="nearest")
       if hasattr(config, "param_rounding") else config, impl="xla")
   u, want_state = jax.jit(ref.update)({**grads, "b": jnp.zeros_like(grads["b"])}, state, params)

@@ -130,19 +130,19 @@ def test_distributed_axes_errors_name_the_problem():
 
 
 def test_the_config_and_factory_carry_distributed_axes():
-  config = pallasopt.optim.MuonConfig(distributed_axes=("data",))
-  assert pallasopt.optim.MuonConfig.from_dict(config.to_dict()).distributed_axes in (
+  config = pallasopt.optim.eformer.MuonConfig(distributed_axes=("data",))
+  assert pallasopt.optim.eformer.MuonConfig.from_dict(config.to_dict()).distributed_axes in (
       ("data",), ["data"])
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   params, grads = _problem()
-  tx = pallasopt.optim.OptimizerFactory.create(
-      "muon", scheduler_config=pallasopt.optim.SchedulerConfig(learning_rate=1e-2),
+  tx = pallasopt.optim.eformer.OptimizerFactory.create(
+      "muon", scheduler_config=pallasopt.optim.eformer.SchedulerConfig(learning_rate=1e-2),
       optimizer_config=config)[0]
   with jax.set_mesh(mesh):
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-  reference = pallasopt.optim.OptimizerFactory.create(
-      "muon", scheduler_config=pallasopt.optim.SchedulerConfig(learning_rate=1e-2),
-      optimizer_config=pallasopt.optim.MuonConfig())[0]
+  reference = pallasopt.optim.eformer.OptimizerFactory.create(
+      "muon", scheduler_config=pallasopt.optim.eformer.SchedulerConfig(learning_rate=1e-2),
+      optimizer_config=pallasopt.optim.eformer.MuonConfig())[0]
   want, _ = reference.update(grads, reference.init(params), params)
   for name in want:
     assert_close(updates[name], want[name], 1e-5, err_msg=name)

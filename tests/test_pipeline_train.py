@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from helpers import assert_close
 from pipeline_model import layer, make_batch, make_layers, mse, sequential
-from pallasopt.optim import (
+from pallasopt.optim.eformer import (
     AdafactorConfig,
     AdamWConfig,
     KronConfig,

@@ -20,9 +20,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import assert_trees_close, frozen_at, step_grads
 from pallasopt.kernels import _compat
-from pallasopt.optim import (
+from pallasopt.optim.eformer import (
     AdafactorConfig,
     AdamWConfig,
+    AdamWOptimizer,
     KronConfig,
     LionConfig,
     MuonConfig,
@@ -30,11 +31,11 @@ from pallasopt.optim import (
     SchedulerConfig,
     add_scheduled_weight_decay,
 )
-from pallasopt.optim import factory
+from pallasopt.optim.eformer import factory
 from pallasopt.optim._base import FusedGradientTransformation
 from pallasopt.optim.adamw import adamw
 from pallasopt.optim.lion import lion
-from pallasopt.optim.stage_local import (
+from pallasopt.optim.eformer import (
     StageLocalOptimizerMetadata,
     fused_stage_local_apply,
     make_stage_local_gradient_transformation,
@@ -412,7 +413,7 @@ def test_unsupported_optimizer_keeps_update_and_explains_the_fix():
 
 def test_bad_registrations_are_rejected(registry):
   with pytest.raises(ValueError, match="optimizer 'adamw' is already registered \\(by AdamWOptimizer"):
-    factory.register_optimizer("adamw")(factory.AdamWOptimizer)
+    factory.register_optimizer("adamw")(AdamWOptimizer)
   with pytest.raises(TypeError, match="must be a dataclass subclassing OptimizerBuilder"):
     factory.register_optimizer("sgd")(_SGDConfig)
   with pytest.raises(TypeError, match="name must be a non-empty str"):

@@ -22,7 +22,7 @@ __all__ = [
     "optax_add_scheduled_weight_decay",
 ]
 
-_OWNER = "pallasopt.optim.add_scheduled_weight_decay"
+_OWNER = "pallasopt.optim.eformer.add_scheduled_weight_decay"
 
 
 class OptaxScheduledWeightDecayState(NamedTuple):

@@ -2,7 +2,7 @@
 
 The names, fields (in order) and defaults follow eFormer's
 ``eformer.optimizers`` (0.0.101), so a config written for eFormer builds the
-same optimizer through `pallasopt.optim.OptimizerFactory`, backed by
+same optimizer through `pallasopt.optim.eformer.OptimizerFactory`, backed by
 pallasopt's fused kernels. pallasopt's own options (low-bit state, ...) are
 extra fields after eFormer's.
 
@@ -47,7 +47,7 @@ __all__ = [
     "SchedulerConfig",
 ]
 
-_OWNER = "pallasopt.optim.configs"
+_OWNER = "pallasopt.optim.eformer.configs"
 
 
 # ---- Serialization (eFormer's SerializationMixin). ----
