@@ -192,7 +192,7 @@ def _e4m3_grid(y, bits):
   """
   a = jnp.abs(y)
   normal = round_off_mantissa(a, bits, 20)
-  subnormal = jnp.floor(a * np.float32(2.0**9) + _uniform(bits)) * np.float32(2.0**-9)
+  subnormal = _floor_rounded(a * np.float32(2.0**9), bits) * np.float32(2.0**-9)
   rounded = jnp.where(a < np.float32(2.0**-6), subnormal, normal)
   return jnp.where(y < 0, -rounded, rounded)
 
@@ -245,6 +245,7 @@ def _encode_linear4(x, bits):
 
 
 def _decode_linear4(codes):
+  """The linear 4-bit map's values (f32 in [-1, 1]) of ``codes`` (f32 holding -8..7)."""
   return jnp.maximum(codes, -_LINEAR4_STEPS) * np.float32(1 / _LINEAR4_STEPS)
 
 
