@@ -57,10 +57,9 @@ Under ``optax.inject_hyperparams``, name the integer structure arguments
 static: ``optax.inject_hyperparams(kron, static_args=KRON_STATIC_ARGS)``.
 """
 
-import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -201,57 +200,76 @@ def _probes(key, shapes, stacked, layer_index_fn):
   ]
 
 
+class _KronOptions(NamedTuple):
+  """`scale_by_kron`'s arguments (psgd_jax's), which `kron` passes on as they are."""
+
+  b1: Any
+  preconditioner_update_probability: Any
+  max_size_triangular: Any
+  min_ndim_triangular: Any
+  memory_save_mode: Any
+  momentum_into_precond_update: Any
+  preconditioner_lr: Any
+  preconditioner_init_scale: Any
+  mu_dtype: Any
+  precond_dtype: Any
+  precond_update_precision: Any
+  precond_grads_precision: Any
+  scanned_layers: Any
+  lax_map_scanned_layers: Any
+  lax_map_batch_size: Any
+  stacked_axes: Any
+  impl: Any
+
+
 class _Core:
   """The shared step of `scale_by_kron` and `kron` (psgd_jax's update_fn)."""
 
-  def __init__(
-      self, *, b1, preconditioner_update_probability, max_size_triangular,
-      min_ndim_triangular, memory_save_mode, momentum_into_precond_update,
-      preconditioner_lr, preconditioner_init_scale, mu_dtype, precond_dtype,
-      precond_update_precision, precond_grads_precision, scanned_layers,
-      lax_map_scanned_layers, lax_map_batch_size, stacked_axes, impl,
-  ):
+  def __init__(self, options: _KronOptions):
     for name, value, high, inclusive in (
-        ("b1", b1, 1.0, False),
-        ("preconditioner_update_probability", preconditioner_update_probability, 1.0, True),
-        ("preconditioner_lr", preconditioner_lr, math.inf, True),
-        ("preconditioner_init_scale", preconditioner_init_scale, math.inf, True),
+        ("b1", options.b1, 1.0, False),
+        ("preconditioner_update_probability", options.preconditioner_update_probability, 1.0,
+         True),
+        ("preconditioner_lr", options.preconditioner_lr, math.inf, True),
+        ("preconditioner_init_scale", options.preconditioner_init_scale, math.inf, True),
     ):
       v.check_hyperparameter(_OWNER, name, value, high=high, high_inclusive=inclusive)
-    if memory_save_mode not in MEMORY_SAVE_MODES:
+    if options.memory_save_mode not in MEMORY_SAVE_MODES:
       raise ValueError(
-          f"{_OWNER}: memory_save_mode must be one of {MEMORY_SAVE_MODES}; got {memory_save_mode!r}."
+          f"{_OWNER}: memory_save_mode must be one of {MEMORY_SAVE_MODES}; got "
+          f"{options.memory_save_mode!r}."
       )
     for name, precision in (
-        ("precond_update_precision", precond_update_precision),
-        ("precond_grads_precision", precond_grads_precision),
+        ("precond_update_precision", options.precond_update_precision),
+        ("precond_grads_precision", options.precond_grads_precision),
     ):
       if precision not in kk.PRECISIONS:
         raise ValueError(f"{_OWNER}: {name} must be one of {kk.PRECISIONS}; got {precision!r}.")
-    self.stacked_axes = _structural("stacked_axes", stacked_axes)
-    if self.stacked_axes and scanned_layers is not None:
+    self.stacked_axes = _structural("stacked_axes", options.stacked_axes)
+    if self.stacked_axes and options.scanned_layers is not None:
       raise ValueError(
           f"{_OWNER}: pass stacked_axes or scanned_layers, not both (scanned_layers marks "
           "one stacked axis per leaf; stacked_axes marks the same axes on every leaf)."
       )
-    self.max_size = _structural("max_size_triangular", max_size_triangular)
-    self.min_ndim = _structural("min_ndim_triangular", min_ndim_triangular)
+    self.max_size = _structural("max_size_triangular", options.max_size_triangular)
+    self.min_ndim = _structural("min_ndim_triangular", options.min_ndim_triangular)
     self.map_batch_size = (
-        _structural("lax_map_batch_size", lax_map_batch_size) if lax_map_scanned_layers else None
+        _structural("lax_map_batch_size", options.lax_map_batch_size)
+        if options.lax_map_scanned_layers else None
     )
-    resolve_impl(impl)
-    self.b1 = b1
-    self.probability = preconditioner_update_probability
-    self.memory_save_mode = memory_save_mode
-    self.momentum_into_precond_update = momentum_into_precond_update
-    self.preconditioner_lr = preconditioner_lr
-    self.init_scale = preconditioner_init_scale
-    self.mu_dtype = v.optional_float_dtype(_OWNER, "mu_dtype", mu_dtype)
-    self.precond_dtype = v.optional_float_dtype(_OWNER, "precond_dtype", precond_dtype)
-    self.update_precision = precond_update_precision
-    self.grads_precision = precond_grads_precision
-    self.scanned_layers = scanned_layers
-    self.impl = impl
+    resolve_impl(options.impl)
+    self.b1 = options.b1
+    self.probability = options.preconditioner_update_probability
+    self.memory_save_mode = options.memory_save_mode
+    self.momentum_into_precond_update = options.momentum_into_precond_update
+    self.preconditioner_lr = options.preconditioner_lr
+    self.init_scale = options.preconditioner_init_scale
+    self.mu_dtype = v.optional_float_dtype(_OWNER, "mu_dtype", options.mu_dtype)
+    self.precond_dtype = v.optional_float_dtype(_OWNER, "precond_dtype", options.precond_dtype)
+    self.update_precision = options.precond_update_precision
+    self.grads_precision = options.precond_grads_precision
+    self.scanned_layers = options.scanned_layers
+    self.impl = options.impl
 
   def stacked(self, tree) -> list[int]:
     """Per leaf, the number of leading layer axes (at most its rank)."""
@@ -439,7 +457,25 @@ def scale_by_kron(
     stacked_axes: leading layer axes on every leaf (contract 2).
     impl: ``"auto" | "pallas" | "interpret" | "xla"``.
   """
-  core = _Core(**locals())
+  core = _Core(_KronOptions(
+      b1=b1,
+      preconditioner_update_probability=preconditioner_update_probability,
+      max_size_triangular=max_size_triangular,
+      min_ndim_triangular=min_ndim_triangular,
+      memory_save_mode=memory_save_mode,
+      momentum_into_precond_update=momentum_into_precond_update,
+      preconditioner_lr=preconditioner_lr,
+      preconditioner_init_scale=preconditioner_init_scale,
+      mu_dtype=mu_dtype,
+      precond_dtype=precond_dtype,
+      precond_update_precision=precond_update_precision,
+      precond_grads_precision=precond_grads_precision,
+      scanned_layers=scanned_layers,
+      lax_map_scanned_layers=lax_map_scanned_layers,
+      lax_map_batch_size=lax_map_batch_size,
+      stacked_axes=stacked_axes,
+      impl=impl,
+  ))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -451,10 +487,6 @@ def scale_by_kron(
     )
 
   return optax.GradientTransformationExtraArgs(core.init, update_fn)
-
-
-# `kron` builds its core from the same arguments.
-_CORE_ARGS = tuple(inspect.signature(scale_by_kron).parameters)
 
 
 def kron(
@@ -506,8 +538,25 @@ def kron(
   v.check_finite(_OWNER, "weight_decay", weight_decay)
   if callable(weight_decay):
     raise TypeError(f"{_OWNER}: weight_decay must be a scalar (psgd_jax takes no schedule).")
-  args = locals()
-  core = _Core(**{name: args[name] for name in _CORE_ARGS})
+  core = _Core(_KronOptions(
+      b1=b1,
+      preconditioner_update_probability=preconditioner_update_probability,
+      max_size_triangular=max_size_triangular,
+      min_ndim_triangular=min_ndim_triangular,
+      memory_save_mode=memory_save_mode,
+      momentum_into_precond_update=momentum_into_precond_update,
+      preconditioner_lr=preconditioner_lr,
+      preconditioner_init_scale=preconditioner_init_scale,
+      mu_dtype=mu_dtype,
+      precond_dtype=precond_dtype,
+      precond_update_precision=precond_update_precision,
+      precond_grads_precision=precond_grads_precision,
+      scanned_layers=scanned_layers,
+      lax_map_scanned_layers=lax_map_scanned_layers,
+      lax_map_batch_size=lax_map_batch_size,
+      stacked_axes=stacked_axes,
+      impl=impl,
+  ))
   with_decay = v._concrete_value(weight_decay) != 0.0
   decay_tx = optax.add_decayed_weights(weight_decay, weight_decay_mask)
   lr_tx = optax.scale_by_learning_rate(learning_rate)
