@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 
 from bench.records import Environment
-from pallasopt.kernels import quant
 from bench.workloads import random_tree
+from pallasopt.kernels import quant
 
 __all__ = ["TIERS", "Settings", "StepFn", "measure", "ceiling"]
 

@@ -26,14 +26,13 @@ from pallasopt.optim.eformer.scheduled_decay import (
     add_scheduled_weight_decay,
 )
 from pallasopt.optim.eformer.stage_local import (
+    _OWNER,  # its errors name the stage-local API, as the wrappers' do
     AxisName,
     StageLocalApplyFn,
     StageLocalOptimizerMetadata,
 )
 
 __all__ = ["fused_stage_local_apply", "stage_local_grad_norm"]
-
-_OWNER = "pallasopt.optim.eformer.stage_local"
 
 
 def _is_none(x: Any) -> bool:
