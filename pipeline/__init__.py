@@ -6,7 +6,8 @@
 * `circular_pipeline`: the forward pass under ``shard_map``; `jax.grad`
   differentiates through it.
 * `make_train_step`: forward, backward and a stage-local fused optimizer step
-  on every stage, in one jitted step.
+  on every stage, in one jitted step; with ``fsdp_axis`` each stage's params,
+  gradients and optimizer state are also split over that axis (`fsdp_dims`).
 * `pallasopt.pipeline.sharding`: partition specs for params and optimizer
   state, memory estimates, `barrier_sync`.
 """
@@ -14,6 +15,7 @@
 from pallasopt.pipeline.circular import circular_pipeline, io_specs, scan_layers
 from pallasopt.pipeline.layout import (
     check_stacked,
+    fsdp_dims,
     layers_to_stages,
     stack_layers,
     stage_shardings,
@@ -47,6 +49,7 @@ __all__ = [
     "io_specs",
     "scan_layers",
     "check_stacked",
+    "fsdp_dims",
     "layers_to_stages",
     "stack_layers",
     "stage_shardings",

@@ -10,6 +10,14 @@ iterations and, for later repeats, the activations that came back round the
 ring, held in a circular buffer of ``M - S`` slots. The backward pass is
 `jax.grad` through the scan (ppermutes transpose to ppermutes).
 
+With an FSDP axis (``fsdp_axis``) each device of a stage holds ``1/F`` of
+the stage's weights. The scan is cut into windows of ``M`` iterations, in
+which every stage runs at most two repeats (it finishes one and starts the
+next), and each repeat's weights are all-gathered once, one window before
+the first that needs them; the backward pass walks the windows back and
+gathers each repeat once more, so at most two repeats' weights are ever
+whole, and reduce-scatters the weight gradients as each repeat completes.
+
 Bubble iterations (work item outside the schedule, see
 `CircularSchedule.work`) compute ``stage_fn`` on zeros, and nothing they
 produce is ever read: whatever sits in a bubble slot, NaN included, changes
@@ -21,16 +29,24 @@ an epsilon).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from pallasopt.kernels._compat import shard_map
-from pallasopt.pipeline.layout import STAGE_AXIS, check_stacked, stage_specs
+from pallasopt.pipeline.layout import (
+    FSDP_MIN_SIZE,
+    STAGE_AXIS,
+    check_stacked,
+    fsdp_dims,
+    stage_specs,
+)
 from pallasopt.pipeline.schedule import CircularSchedule
 
 __all__ = ["circular_pipeline", "io_specs", "scan_layers"]
@@ -52,31 +68,41 @@ def scan_layers(layer_fn: StageFn) -> StageFn:
   return stage_fn
 
 
+def _batch_axes(data_axis: str | None, fsdp_axis: str | None) -> tuple[str, ...]:
+  """The mesh axes that split a microbatch: the data axis and the FSDP axis, once each."""
+  return tuple(dict.fromkeys(a for a in (data_axis, fsdp_axis) if a is not None))
+
+
 def io_specs(schedule: CircularSchedule, *, stage_axis: str = STAGE_AXIS,
-             data_axis: str | None = None) -> PartitionSpec:
+             data_axis: str | None = None, fsdp_axis: str | None = None) -> PartitionSpec:
   """The spec of an input or output leaf ``[M, microbatch, ...]``.
 
-  The microbatch dim is sharded over `data_axis`; with streamed io the ``M``
-  dim is sharded over the stages (contiguous blocks of ``M / S``), otherwise
-  it is replicated on every stage.
+  The microbatch dim is sharded over `data_axis` and `fsdp_axis` (each FSDP
+  device runs its own part of the batch, as in ZeRO); with streamed io the
+  ``M`` dim is sharded over the stages (contiguous blocks of ``M / S``),
+  otherwise it is replicated on every stage.
   """
-  entries = [stage_axis if schedule.streamed_io else None, data_axis]
+  batch = _batch_axes(data_axis, fsdp_axis)
+  entries = [stage_axis if schedule.streamed_io else None,
+             (batch[0] if len(batch) == 1 else batch) if batch else None]
   while entries and entries[-1] is None:
     entries.pop()
   return PartitionSpec(*entries)
 
 
 def _check_config(mesh: Mesh, schedule: CircularSchedule, stage_axis: str,
-                  data_axis: str | None) -> None:
+                  data_axis: str | None, fsdp_axis: str | None = None) -> None:
   if not isinstance(schedule, CircularSchedule):
     raise TypeError(f"schedule must be a CircularSchedule, got {type(schedule).__name__}.")
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-  for name, axis in (("stage_axis", stage_axis), ("data_axis", data_axis)):
+  named = (("stage_axis", stage_axis), ("data_axis", data_axis), ("fsdp_axis", fsdp_axis))
+  for name, axis in named:
     if axis is not None and axis not in mesh.shape:
       raise ValueError(f"{name} {axis!r} is not an axis of the mesh {dict(mesh.shape)}.")
-  if stage_axis == data_axis:
-    raise ValueError(f"stage_axis and data_axis must differ, both are {stage_axis!r}.")
+  for name, axis in named[1:]:
+    if axis == stage_axis:
+      raise ValueError(f"stage_axis and {name} must differ, both are {stage_axis!r}.")
   if mesh.shape[stage_axis] != schedule.num_stages:
     raise ValueError(
         f"mesh axis {stage_axis!r} has {mesh.shape[stage_axis]} devices but the schedule has"
@@ -85,10 +111,10 @@ def _check_config(mesh: Mesh, schedule: CircularSchedule, stage_axis: str,
 
 
 def _local_shape(path: str, leaf: Any, schedule: CircularSchedule, mesh: Mesh,
-                 data_axis: str | None) -> jax.ShapeDtypeStruct:
+                 batch_axes: tuple[str, ...]) -> jax.ShapeDtypeStruct:
   """One microbatch of an input leaf as a device sees it, after checking the leaf."""
   shape = tuple(leaf.shape)
-  data = mesh.shape[data_axis] if data_axis else 1
+  data = math.prod(mesh.shape[a] for a in batch_axes)
   if len(shape) < 2 or shape[0] != schedule.num_microbatches:
     raise ValueError(
         f"inputs{path} has shape {shape}; expected [num_microbatches={schedule.num_microbatches},"
@@ -96,8 +122,8 @@ def _local_shape(path: str, leaf: Any, schedule: CircularSchedule, mesh: Mesh,
     )
   if shape[1] % data:
     raise ValueError(
-        f"inputs{path} has microbatch size {shape[1]}, not divisible by mesh axis"
-        f" {data_axis!r} of size {data}."
+        f"inputs{path} has microbatch size {shape[1]}, not divisible by the {data} devices of"
+        f" the mesh axes {batch_axes} that split it."
     )
   return jax.ShapeDtypeStruct((shape[1] // data,) + shape[2:], leaf.dtype)
 
@@ -127,6 +153,9 @@ def circular_pipeline(
     stage_axis: str = STAGE_AXIS,
     data_axis: str | None = None,
     remat: bool = True,
+    fsdp_axis: str | None = None,
+    fsdp_min_size: int = FSDP_MIN_SIZE,
+    fsdp_regather: bool = True,
 ) -> PyTree:
   """Applies the ``L`` stacked layers to every microbatch, pipelined over stages.
 
@@ -134,6 +163,15 @@ def circular_pipeline(
   ``x = inputs[m]`` then ``x = stage_fn(params[r, s], x)`` for ``r < R``,
   ``s < S`` in order (``params[r, s]`` being the leaves' slices at those
   stacked indices). Differentiate it with `jax.grad` like any function.
+
+  With `fsdp_axis` (fully sharded data parallelism inside each stage) every
+  leaf that `fsdp_dims` splits is held in ``1/F`` slices by the ``F``
+  devices of that axis, which also split the microbatches. A repeat's
+  weights are all-gathered once, in a sliding window of two repeats: the
+  gather of repeat ``r + 1`` is issued before the ``M`` iterations in which
+  stages finish repeat ``r`` (the window that needs both), so it can run
+  while they compute, and a repeat's weights are freed after the window that
+  last uses them. Their gradients leave reduce-scattered to the same slices.
 
   Args:
     stage_fn: ``stage_fn(stage_params, x) -> x``: one stage (``lps`` layers;
@@ -143,8 +181,9 @@ def circular_pipeline(
     stacked_params: leaves ``[*schedule.stacked_shape, ...]`` (see
       `layers_to_stages`), best already sharded with `stage_shardings`.
     inputs: leaves ``[M, microbatch, ...]``, laid out as `io_specs` says.
-    mesh: a mesh with `stage_axis` of size ``S`` (and `data_axis`, if given).
-      Mesh axes not named here replicate the computation.
+    mesh: a mesh with `stage_axis` of size ``S`` (and `data_axis`,
+      `fsdp_axis`, if given). Mesh axes not named here replicate the
+      computation.
     schedule: the `CircularSchedule`; ``schedule.streamed_io`` picks the io
       layout.
     stage_axis: the mesh axis of the stages.
@@ -154,6 +193,16 @@ def circular_pipeline(
       only its input activation (``M R + S - 1`` microbatch activations in
       all). Without it every intermediate of every iteration is kept, and
       with ``R > 1`` also the slice of params each iteration used.
+    fsdp_axis: a mesh axis that shards each stage's weights (and the
+      microbatch dim, like `data_axis`; it may be the same axis), or None.
+    fsdp_min_size: layer slices of fewer elements stay whole (`fsdp_dims`).
+    fsdp_regather: the backward pass gathers each repeat's weights again, in
+      the same sliding window backwards (a second forward of each window of
+      ``M`` iterations, from the activations saved at its start, finds the
+      cotangents), so at most two repeats' weights are ever whole on a
+      device. False keeps every gathered repeat for the backward pass: no
+      second gather and no second forward, but a stage's whole weights live
+      through the backward pass.
 
   Returns:
     The outputs, leaves ``[M, microbatch, ...]`` with the layout of `inputs`:
@@ -166,21 +215,29 @@ def circular_pipeline(
     ValueError: mesh axes missing or of the wrong size, leaves whose stacked
       dims or microbatch dims do not fit.
   """
-  _check_config(mesh, schedule, stage_axis, data_axis)
+  _check_config(mesh, schedule, stage_axis, data_axis, fsdp_axis)
   check_stacked(stacked_params, schedule)
+  batch_axes = _batch_axes(data_axis, fsdp_axis)
   microbatch = jax.tree_util.tree_map_with_path(
-      lambda p, x: _local_shape(jax.tree_util.keystr(p), x, schedule, mesh, data_axis), inputs
+      lambda p, x: _local_shape(jax.tree_util.keystr(p), x, schedule, mesh, batch_axes), inputs
   )
   _check_stage_fn(stage_fn, stacked_params, microbatch, schedule)
-  spec = io_specs(schedule, stage_axis=stage_axis, data_axis=data_axis)
+  spec = io_specs(schedule, stage_axis=stage_axis, data_axis=data_axis, fsdp_axis=fsdp_axis)
   io_tree_specs = jax.tree.map(lambda _: spec, inputs)
+  fsdp = None
+  if fsdp_axis is not None:
+    dims = fsdp_dims(stacked_params, schedule, mesh.shape[fsdp_axis], min_size=fsdp_min_size)
+    fsdp = _Fsdp(fsdp_axis, dims, fsdp_regather)
+  param_specs = stage_specs(
+      stacked_params, stage_axis=stage_axis, fsdp_axis=fsdp_axis, fsdp=fsdp and fsdp.dims
+  )
   local = functools.partial(
-      _local_pipeline, stage_fn, schedule, stage_axis, data_axis, remat
+      _local_pipeline, stage_fn, schedule, stage_axis, batch_axes, remat, fsdp
   )
   return shard_map(
       local,
       mesh=mesh,
-      in_specs=(stage_specs(stacked_params, stage_axis=stage_axis), io_tree_specs),
+      in_specs=(param_specs, io_tree_specs),
       out_specs=io_tree_specs,
   )(stacked_params, inputs)
 
@@ -214,65 +271,222 @@ def _ring(num_stages: int, step: int) -> list[tuple[int, int]]:
   return [(i, (i + step) % num_stages) for i in range(num_stages)]
 
 
+class _Fsdp(NamedTuple):
+  """How a pipeline's weights shard over an FSDP axis."""
+
+  axis: str
+  dims: PyTree  # per leaf: the stacked leaf's dim split over `axis`, or None
+  regather: bool
+
+
+def _gather_repeat(fsdp: _Fsdp, params: PyTree, repeat: int) -> PyTree:
+  """This stage's weights of one repeat, whole: the FSDP slices all-gathered."""
+  def gather(p, dim):
+    x = p[repeat, 0]
+    return x if dim is None else lax.all_gather(x, fsdp.axis, axis=dim - 2, tiled=True)
+
+  return jax.tree.map(gather, params, fsdp.dims)
+
+
+def _scatter_repeat(fsdp: _Fsdp, cotangents: PyTree) -> PyTree:
+  """One repeat's weight cotangents reduce-scattered to this device's FSDP slices."""
+  def scatter(ct, dim):
+    return ct if dim is None else lax.psum_scatter(
+        ct, fsdp.axis, scatter_dimension=dim - 2, tiled=True
+    )
+
+  return jax.tree.map(scatter, cotangents, fsdp.dims)
+
+
+def _windows(schedule: CircularSchedule):
+  """The FSDP windows: ``(first, last repeat used, iterations)`` per block of ``M`` iterations.
+
+  In iterations ``[w M, (w + 1) M)`` stage ``s`` finishes repeat ``w - 1``
+  (its first ``s`` iterations) and starts repeat ``w``, so each window needs
+  at most two repeats' weights.
+  """
+  M, R = schedule.num_microbatches, schedule.num_repeats
+  for w in range(R + 1):
+    iterations = np.arange(w * M, min((w + 1) * M, schedule.num_iterations))
+    if iterations.size:
+      yield max(w - 1, 0), min(w, R - 1), iterations
+
+
 def _local_pipeline(stage_fn, schedule: CircularSchedule, stage_axis: str,
-                    data_axis: str | None, remat: bool, params: PyTree, inputs: PyTree):
+                    batch_axes: tuple[str, ...], remat: bool, fsdp: _Fsdp | None,
+                    params: PyTree, inputs: PyTree):
   S, M, R = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
   streamed, delay = schedule.streamed_io, schedule.buffer_size
-  stage = lax.axis_index(stage_axis)
-  axes = (stage_axis,) + ((data_axis,) if data_axis else ())
+  axes = (stage_axis,) + batch_axes
 
   def zeros(tree, *lead):
     return jax.tree.map(lambda x: _varying_zeros(lead + x.shape[1:], x.dtype, axes), tree)
 
-  def run_stage(params, repeat, x):
-    # With remat the repeat's params are sliced inside the checkpoint, so the
-    # backward pass slices them again instead of saving them per iteration.
-    if R == 1:
-      mine = jax.tree.map(lambda p: p[0, 0], params)
-    else:
-      mine = jax.tree.map(
-          lambda p: lax.dynamic_index_in_dim(p[:, 0], repeat, 0, keepdims=False), params
+  def run_stage(weights, index, x):
+    # `weights`: a tree of leaves [n, ...] (the n repeats from the first
+    # one), or a tuple of one or two repeats' trees (FSDP's window). With
+    # remat the repeat's weights are picked inside the checkpoint, so the
+    # backward pass picks them again instead of saving them per iteration.
+    if isinstance(weights, tuple):
+      mine = weights[0] if len(weights) == 1 else jax.tree.map(
+          lambda lo, hi: jnp.where(index > 0, hi, lo), *weights
       )
+    elif R == 1:
+      mine = jax.tree.map(lambda p: p[0], weights)
+    else:
+      mine = _take(weights, index)
     return stage_fn(mine, x)
 
   if remat:
     run_stage = jax.checkpoint(run_stage, policy=jax.checkpoint_policies.nothing_saveable)
 
-  bubble = zeros(inputs)
-  io = inputs if streamed else zeros(inputs, M)
-  buffer = zeros(inputs, delay) if delay else None
+  def start(inputs):
+    bubble = zeros(inputs)
+    io = inputs if streamed else zeros(inputs, M)
+    return (bubble, zeros(inputs, delay) if delay else None, io)
 
-  def iteration(carry, t):
-    incoming, buffer, io = carry
-    item = t - stage
-    valid = (item >= 0) & (item < M * R)
-    microbatch, repeat = item % M, jnp.clip(item // M, 0, R - 1)
-    fresh = _take(io, t % schedule.microbatches_per_stage) if streamed else _take(inputs, t % M)
-    if R > 1:
-      # Stage 0 receives item t - S from the last stage and needs item t - M.
-      if delay:
-        delayed = _take(buffer, t % delay)
-        buffer = _put(buffer, incoming, t % delay)
+  def run(carry, weights, first_repeat, iterations, inputs):
+    """The schedule's `iterations` from `carry`, with `weights` from `first_repeat` on."""
+    stage, bubble = lax.axis_index(stage_axis), zeros(inputs)
+
+    def iteration(carry, t):
+      incoming, buffer, io = carry
+      item = t - stage
+      valid = (item >= 0) & (item < M * R)
+      microbatch, repeat = item % M, jnp.clip(item // M, 0, R - 1)
+      fresh = _take(io, t % schedule.microbatches_per_stage) if streamed else _take(inputs, t % M)
+      if R > 1:
+        # Stage 0 receives item t - S from the last stage and needs item t - M.
+        if delay:
+          delayed = _take(buffer, t % delay)
+          buffer = _put(buffer, incoming, t % delay)
+        else:
+          delayed = incoming
+        fresh = _select(t < M, fresh, delayed)
+      x = _select(valid, _select(stage == 0, fresh, incoming), bubble)
+      y = run_stage(weights, repeat - first_repeat, x)
+      incoming = jax.tree.map(lambda a: lax.ppermute(a, stage_axis, _ring(S, 1)), y)
+      done = valid & (stage == S - 1) & (item >= (R - 1) * M)
+      if streamed:
+        column = t % schedule.microbatches_per_stage
+        rotated = jax.tree.map(
+            lambda a: lax.ppermute(a, stage_axis, _ring(S, -1)), _take(io, column)
+        )
+        io = _put(io, _select(done, y, rotated), column)
       else:
-        delayed = incoming
-      fresh = _select(t < M, fresh, delayed)
-    x = _select(valid, _select(stage == 0, fresh, incoming), bubble)
-    y = run_stage(params, repeat, x)
-    incoming = jax.tree.map(lambda a: lax.ppermute(a, stage_axis, _ring(S, 1)), y)
-    done = valid & (stage == S - 1) & (item >= (R - 1) * M)
-    if streamed:
-      column = t % schedule.microbatches_per_stage
-      rotated = jax.tree.map(
-          lambda a: lax.ppermute(a, stage_axis, _ring(S, -1)), _take(io, column)
-      )
-      io = _put(io, _select(done, y, rotated), column)
-    else:
-      io = _put(io, _select(done, y, _take(io, microbatch)), microbatch)
-    return (incoming, buffer, io), None
+        io = _put(io, _select(done, y, _take(io, microbatch)), microbatch)
+      return (incoming, buffer, io), None
 
-  carry = (bubble, buffer, io)
-  (_, _, io), _ = lax.scan(iteration, carry, jnp.arange(schedule.num_iterations))
+    return lax.scan(iteration, carry, jnp.asarray(iterations))[0]
+
+  if fsdp is None:
+    weights = jax.tree.map(lambda p: p[:, 0], params)
+    io = run(start(inputs), weights, 0, np.arange(schedule.num_iterations), inputs)[2]
+  elif fsdp.regather:
+    io = _windowed_regathering(run, start, axes, fsdp, schedule)(params, inputs)
+  else:
+    io = _windowed(run, start, fsdp, schedule, params, inputs)[0][2]
   if streamed:
     return jax.tree.map(schedule.realign_outputs, io)
+  stage = lax.axis_index(stage_axis)
   last = jax.tree.map(lambda x: jnp.where(stage == S - 1, x, jnp.zeros_like(x)), io)
   return jax.tree.map(lambda x: lax.psum(x, stage_axis), last)
+
+
+def _windowed(run, start, fsdp: _Fsdp, schedule: CircularSchedule, params, inputs):
+  """The schedule window by window, each repeat's weights gathered one window early.
+
+  Returns the final carry and the carry each window started from.
+  """
+  gathered = {0: _gather_repeat(fsdp, params, 0)}
+  carry, starts = start(inputs), []
+  for first, last, iterations in _windows(schedule):
+    if last + 1 < schedule.num_repeats:  # prefetch the next window's repeat
+      gathered[last + 1] = _gather_repeat(fsdp, params, last + 1)
+    weights = tuple(gathered[r] for r in sorted({first, last}))
+    starts.append(carry)
+    carry = run(carry, weights, first, iterations, inputs)
+    gathered.pop(first - 1, None)
+  return carry, starts
+
+
+def _windowed_regathering(run, start, axes, fsdp: _Fsdp, schedule: CircularSchedule):
+  """`_windowed`'s outputs, with a backward pass that regathers in a sliding window.
+
+  The forward pass keeps only the carry each window starts from. The
+  backward pass walks the windows last to first: it gathers the repeats the
+  next window back needs before this one runs (the same prefetch), runs the
+  window forward again from its saved carry (`jax.vjp`) and pulls the
+  cotangents back. A repeat's weight cotangents are complete, and
+  reduce-scattered, once the first window that uses it is done; its
+  gathered weights are dropped then. Each repeat is gathered once each way.
+  """
+  windows = list(_windows(schedule))
+  uses = [{first, last} for first, last, _ in windows]
+
+  @jax.custom_vjp
+  def pipeline(params, inputs):
+    return _windowed(run, start, fsdp, schedule, params, inputs)[0][2]
+
+  def forward(params, inputs):
+    carry, starts = _windowed(run, start, fsdp, schedule, params, inputs)
+    return carry[2], (params, inputs, starts)
+
+  def backward(residuals, io_cotangent):
+    params, inputs, starts = residuals
+    zeros = lambda tree: jax.tree.map(lambda x: _varying_zeros(x.shape, x.dtype, axes), tree)
+    incoming, buffer, _ = starts[-1]
+    carry_ct = (zeros(incoming), zeros(buffer), io_cotangent)
+    inputs_ct, anchor, gathered, weights_ct, params_ct = None, None, {}, {}, {}
+    for i in reversed(range(len(windows))):
+      first, last, iterations = windows[i]
+      # Tied to the backward pass's progress (the last window's weight
+      # cotangents, typed like the split params), so that XLA neither merges
+      # these gathers with the forward pass's nor hoists them all to its start.
+      now = params if anchor is None else _tie_sharded(fsdp, params, anchor)
+      for r in sorted(uses[i] | (uses[i - 1] if i else set()), reverse=True):
+        if r not in gathered and r not in params_ct:
+          gathered[r] = _gather_repeat(fsdp, now, r)
+      repeats = sorted(uses[i])
+      _, pullback = jax.vjp(
+          lambda c, w, x: run(c, w, first, iterations, x),
+          starts[i], tuple(gathered[r] for r in repeats), inputs,
+      )
+      carry_ct, window_ct, window_inputs_ct = pullback(carry_ct)
+      anchor = window_ct
+      inputs_ct = _accumulate(inputs_ct, window_inputs_ct)
+      for r, ct in zip(repeats, window_ct):
+        weights_ct[r] = _accumulate(weights_ct.get(r), ct)
+        if not any(r in earlier for earlier in uses[:i]):
+          params_ct[r] = _scatter_repeat(fsdp, weights_ct.pop(r))
+          del gathered[r]
+    _, start_pullback = jax.vjp(start, inputs)
+    inputs_ct = _accumulate(inputs_ct, start_pullback(carry_ct)[0])
+    stacked_ct = jax.tree.map(
+        lambda *cts: jnp.stack(cts)[:, None], *(params_ct[r] for r in range(schedule.num_repeats))
+    )
+    return stacked_ct, inputs_ct
+
+  pipeline.defvjp(forward, backward)
+  return pipeline
+
+
+def _tie_sharded(fsdp: _Fsdp, params: PyTree, anchor: tuple[PyTree, ...]) -> PyTree:
+  """`params`, its FSDP-split leaves passed through an optimization barrier with `anchor`'s.
+
+  `anchor` holds trees of weight cotangents; their split leaves vary over
+  the mesh axes the split params do, so the barrier keeps the params' types.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  split = [i for i, dim in enumerate(treedef.flatten_up_to(fsdp.dims)) if dim is not None]
+  anchors = [treedef.flatten_up_to(tree) for tree in anchor]
+  tied = lax.optimization_barrier(
+      ([leaves[i] for i in split], [a[i] for a in anchors for i in split])
+  )[0]
+  for i, leaf in zip(split, tied):
+    leaves[i] = leaf
+  return treedef.unflatten(leaves)
+
+
+def _accumulate(total: PyTree | None, more: PyTree) -> PyTree:
+  return more if total is None else jax.tree.map(jnp.add, total, more)

@@ -14,6 +14,7 @@ partition specs::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from pallasopt.pipeline.schedule import CircularSchedule
 
 __all__ = [
     "check_stacked",
+    "fsdp_dims",
     "layers_to_stages",
     "stack_layers",
     "stage_shardings",
@@ -35,6 +37,8 @@ __all__ = [
 
 PyTree = Any
 STAGE_AXIS = "stage"
+FSDP_MIN_SIZE = 2**12
+"""Per-layer elements below which `fsdp_dims` leaves a leaf whole (biases, norm scales)."""
 
 
 def _leaves(tree: PyTree, name: str) -> list[tuple[str, Any]]:
@@ -110,21 +114,61 @@ def stages_to_layers(stacked: PyTree, schedule: CircularSchedule) -> PyTree:
   return jax.tree.map(lambda x: x.reshape((schedule.num_layers,) + x.shape[axes:]), stacked)
 
 
-def stage_specs(stacked: PyTree, *, stage_axis: str = STAGE_AXIS) -> PyTree:
-  """``PartitionSpec(None, stage_axis)`` for every leaf: dim 1 (S) over the stage axis."""
+def fsdp_dims(stacked: PyTree, schedule: CircularSchedule, fsdp_size: int, *,
+              min_size: int = FSDP_MIN_SIZE) -> PyTree:
+  """The dim of each stacked leaf that an FSDP axis of `fsdp_size` devices splits, or None.
+
+  A layer's slice of the leaf (the dims after the stacked ones) is split along
+  one dim whose size `fsdp_size` divides: the largest such dim other than the
+  last (rows keep blockwise state's 256-element blocks whole in every shard),
+  else the last. A leaf whose layer slice has fewer than `min_size` elements,
+  or no such dim, stays whole on every device of the axis.
+  """
+  check_stacked(stacked, schedule)
+  first = schedule.stacked_axes
+
+  def dim_of(leaf):
+    layer_shape = tuple(leaf.shape[first:])
+    if fsdp_size == 1 or math.prod(layer_shape) < min_size:
+      return None
+    fits = [first + i for i, n in enumerate(layer_shape) if n % fsdp_size == 0]
+    inner = [d for d in fits if d != leaf.ndim - 1]
+    if inner:
+      return max(inner, key=lambda d: (leaf.shape[d], -d))
+    return fits[-1] if fits else None
+
+  return jax.tree.map(dim_of, stacked)
+
+
+def stage_specs(stacked: PyTree, *, stage_axis: str = STAGE_AXIS, fsdp_axis: str | None = None,
+                fsdp: PyTree | None = None) -> PyTree:
+  """``PartitionSpec(None, stage_axis)`` for every leaf: dim 1 (S) over the stage axis.
+
+  With `fsdp_axis`, the dim `fsdp` names for the leaf (`fsdp_dims`; None: no
+  dim) is split over that axis too.
+  """
   for path, leaf in _leaves(stacked, "stacked_params"):
     if leaf.ndim < 2:
       raise ValueError(
           f"stacked_params{path} has shape {tuple(leaf.shape)}; stacked leaves have at"
           " least the dims (R, S)."
       )
-  return jax.tree.map(lambda _: PartitionSpec(None, stage_axis), stacked)
+
+  def spec(leaf, dim):
+    if fsdp_axis is None or dim is None:
+      return PartitionSpec(None, stage_axis)
+    return PartitionSpec(None, stage_axis, *[None] * (dim - 2), fsdp_axis)
+
+  leaves, treedef = jax.tree.flatten(stacked)
+  dims = [None] * len(leaves) if fsdp is None else treedef.flatten_up_to(fsdp)
+  return treedef.unflatten([spec(leaf, dim) for leaf, dim in zip(leaves, dims)])
 
 
-def stage_shardings(mesh: Mesh, stacked: PyTree, *, stage_axis: str = STAGE_AXIS) -> PyTree:
+def stage_shardings(mesh: Mesh, stacked: PyTree, *, stage_axis: str = STAGE_AXIS,
+                    fsdp_axis: str | None = None, fsdp: PyTree | None = None) -> PyTree:
   """`stage_specs` as `NamedSharding`s on `mesh`, for `jax.device_put` or `jax.jit`."""
-  if stage_axis not in mesh.shape:
-    raise ValueError(f"stage_axis {stage_axis!r} is not an axis of the mesh {dict(mesh.shape)}.")
-  return jax.tree.map(
-      lambda spec: NamedSharding(mesh, spec), stage_specs(stacked, stage_axis=stage_axis)
-  )
+  for name, axis in (("stage_axis", stage_axis), ("fsdp_axis", fsdp_axis)):
+    if axis is not None and axis not in mesh.shape:
+      raise ValueError(f"{name} {axis!r} is not an axis of the mesh {dict(mesh.shape)}.")
+  specs = stage_specs(stacked, stage_axis=stage_axis, fsdp_axis=fsdp_axis, fsdp=fsdp)
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)

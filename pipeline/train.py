@@ -38,6 +38,7 @@ a pipelined step equals the unpipelined one. Example (8 fake CPU devices)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -47,9 +48,21 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from pallasopt.kernels._compat import shard_map
-from pallasopt.optim.eformer import stage_local_grad_norm
+from pallasopt.optim.eformer import (
+    AdamWConfig,
+    LionConfig,
+    RMSPropConfig,
+    stage_local_grad_norm,
+)
 from pallasopt.pipeline.circular import StageFn, _check_config, circular_pipeline, io_specs
-from pallasopt.pipeline.layout import STAGE_AXIS, check_stacked, stage_shardings, stage_specs
+from pallasopt.pipeline.layout import (
+    FSDP_MIN_SIZE,
+    STAGE_AXIS,
+    check_stacked,
+    fsdp_dims,
+    stage_shardings,
+    stage_specs,
+)
 from pallasopt.pipeline.schedule import CircularSchedule
 from pallasopt.pipeline.sharding import named_shardings, optimizer_state_specs
 
@@ -57,6 +70,10 @@ __all__ = ["PipelineTrainStep", "make_train_step"]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+# Optimizers whose update of an element reads only that element's gradient,
+# moments and param: with FSDP they update each device's slices in place.
+_ELEMENTWISE_CONFIGS = (AdamWConfig, LionConfig, RMSPropConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +95,9 @@ class PipelineTrainStep:
   data_axis: str | None = None
   remat: bool = True
   learning_rate_fn: optax.Schedule | None = None
+  fsdp_axis: str | None = None
+  fsdp_min_size: int = FSDP_MIN_SIZE
+  fsdp_regather: bool = True
 
   def __post_init__(self):
     step = jax.jit(self._step, donate_argnums=(0, 1))
@@ -85,24 +105,42 @@ class PipelineTrainStep:
 
   # ---- Placement. ----
 
+  def fsdp_dims(self, params: PyTree) -> PyTree | None:
+    """The dim of each leaf that ``fsdp_axis`` splits, or None (see `fsdp_dims`)."""
+    if self.fsdp_axis is None:
+      return None
+    size = self.mesh.shape[self.fsdp_axis]
+    return fsdp_dims(params, self.schedule, size, min_size=self.fsdp_min_size)
+
   def param_specs(self, params: PyTree) -> PyTree:
-    """``PartitionSpec(None, stage_axis)`` for every stacked leaf."""
+    """``PartitionSpec(None, stage_axis)`` for every stacked leaf, plus ``fsdp_axis`` on its split dim."""
     check_stacked(params, self.schedule, "params")
-    return stage_specs(params, stage_axis=self.stage_axis)
+    return stage_specs(params, stage_axis=self.stage_axis, fsdp_axis=self.fsdp_axis,
+                       fsdp=self.fsdp_dims(params))
 
   def state_specs(self, params: PyTree) -> PyTree:
-    """The specs of ``tx.init(params)``, derived from the param specs; allocates nothing."""
+    """The specs of ``tx.init(params)``, derived from the param specs; allocates nothing.
+
+    With ``fsdp_axis`` the state of an elementwise optimizer (AdamW, Lion,
+    RMSProp) is split like its params; any other optimizer's state is split
+    over the layers instead (`_LayerLayout`): each device holds every
+    statistic of ``1/F`` of the stage's layers.
+    """
     shapes = jax.eval_shape(self.tx.init, params)
-    return optimizer_state_specs(shapes, params, self.param_specs(params), mesh=self.mesh)
+    return optimizer_state_specs(shapes, params, self._update_specs(params), mesh=self.mesh)
 
   def shard_params(self, params: PyTree) -> PyTree:
-    """`params` placed on the mesh, each stage's slice on its devices."""
+    """`params` placed on the mesh, each stage's slice on its devices (split over ``fsdp_axis``)."""
     check_stacked(params, self.schedule, "params")
-    return jax.device_put(params, stage_shardings(self.mesh, params, stage_axis=self.stage_axis))
+    return jax.device_put(params, stage_shardings(
+        self.mesh, params, stage_axis=self.stage_axis, fsdp_axis=self.fsdp_axis,
+        fsdp=self.fsdp_dims(params),
+    ))
 
   def shard_batch(self, *trees: PyTree) -> tuple[PyTree, ...]:
     """Inputs or targets ``[M, microbatch, ...]`` placed as `io_specs` says."""
-    spec = io_specs(self.schedule, stage_axis=self.stage_axis, data_axis=self.data_axis)
+    spec = io_specs(self.schedule, stage_axis=self.stage_axis, data_axis=self.data_axis,
+                    fsdp_axis=self.fsdp_axis)
     sharding = NamedSharding(self.mesh, spec)
     return tuple(jax.device_put(tree, sharding) for tree in trees)
 
@@ -125,6 +163,8 @@ class PipelineTrainStep:
       outputs = circular_pipeline(
           self.stage_fn, params, inputs, mesh=self.mesh, schedule=self.schedule,
           stage_axis=self.stage_axis, data_axis=self.data_axis, remat=self.remat,
+          fsdp_axis=self.fsdp_axis, fsdp_min_size=self.fsdp_min_size,
+          fsdp_regather=self.fsdp_regather,
       )
       loss = self.loss_fn(outputs, targets)
       if jnp.shape(loss) != ():
@@ -133,9 +173,14 @@ class PipelineTrainStep:
 
     loss, grads = jax.value_and_grad(loss_of)(params)
     param_specs = self.param_specs(params)
-    state_specs = optimizer_state_specs(opt_state, params, param_specs, mesh=self.mesh)
+    state_specs = optimizer_state_specs(
+        opt_state, params, self._update_specs(params), mesh=self.mesh
+    )
+    local_update = functools.partial(
+        self._local_update, self._layer_layout(params), self.fsdp_dims(params)
+    )
     update = shard_map(
-        self._local_update,
+        local_update,
         mesh=self.mesh,
         in_specs=(param_specs, param_specs, state_specs),
         out_specs=(param_specs, state_specs, jax.sharding.PartitionSpec()),
@@ -144,22 +189,122 @@ class PipelineTrainStep:
     params, opt_state, grad_norm = update(params, grads, opt_state)
     return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
 
-  def _local_update(self, params, grads, opt_state):
-    # Every leaf is sharded over the stage axis and replicated over the
-    # others, so the stage axis alone sums each element's square once.
-    grad_norm = stage_local_grad_norm(grads, self.stage_axis)
+  # ---- The optimizer's layout. ----
+
+  def _layer_layout(self, params: PyTree) -> _LayerLayout | None:
+    """How the optimizer sees the params under FSDP: None for its slices in place."""
+    if self.fsdp_axis is None:
+      return None
+    accumulating = getattr(self.tx.metadata, "gradient_accumulation_steps", 1) > 1
+    config = getattr(self.tx.metadata, "optimizer_config", None)
+    if isinstance(config, _ELEMENTWISE_CONFIGS) and not (
+        accumulating and self.tx.metadata.clip_grad
+    ):
+      return None
+    return _LayerLayout.choose(self.schedule, self.fsdp_axis, self.mesh.shape[self.fsdp_axis])
+
+  def _update_specs(self, params: PyTree) -> PyTree:
+    """The specs of the params as the optimizer updates them (and of its state)."""
+    layout = self._layer_layout(params)
+    if layout is None:
+      return self.param_specs(params)
+    return jax.tree.map(lambda _: layout.spec(self.stage_axis), params)
+
+  def _local_update(self, layout, fsdp, params, grads, opt_state):
+    if layout is not None:
+      params, grads = (layout.to_layers(tree, fsdp) for tree in (params, grads))
+      stacked_spec, norm_axes = layout.stacked_spec(self.stage_axis), (self.stage_axis,
+                                                                        layout.axis)
+      grad_norm = stage_local_grad_norm(grads, norm_axes)
+    else:
+      stacked_spec, norm_axes = (None, self.stage_axis), self.stage_axis
+      grad_norm = _split_grad_norm(grads, fsdp, self.stage_axis, self.fsdp_axis)
     accumulating = getattr(self.tx.metadata, "gradient_accumulation_steps", 1) > 1
     # With accumulation the clip applies to the averaged gradient, whose norm
-    # the stage-local step computes itself (one more scalar psum).
-    norm_args = (
-        dict(axis_name=self.stage_axis) if accumulating else dict(global_grad_norm=grad_norm)
-    )
+    # the stage-local step computes itself (one more scalar psum; every leaf
+    # is split over `norm_axes` here).
+    norm_args = dict(axis_name=norm_axes) if accumulating else dict(global_grad_norm=grad_norm)
     params, opt_state = self.tx.apply_gradients_stage_local(
         params=params, grads=grads, opt_state=opt_state,
-        learning_rate_fn=self.learning_rate_fn, stacked_spec=(None, self.stage_axis),
-        **norm_args,
+        learning_rate_fn=self.learning_rate_fn, stacked_spec=stacked_spec, **norm_args,
     )
+    if layout is not None:
+      params = layout.from_layers(params, fsdp)
     return params, opt_state, grad_norm
+
+
+def _split_grad_norm(grads: PyTree, fsdp: PyTree | None, stage_axis: str,
+                     fsdp_axis: str | None) -> jax.Array:
+  """The global norm of gradients split over the stages, some leaves also over `fsdp_axis`.
+
+  Every leaf is split over the stage axis and replicated over the others,
+  except the leaves `fsdp` gives a dim, split over `fsdp_axis` too: each
+  group's psum counts each element once.
+  """
+  if fsdp is None:
+    return stage_local_grad_norm(grads, stage_axis)
+  leaves, treedef = jax.tree.flatten(grads)
+  dims = treedef.flatten_up_to(fsdp)
+  split = [g for g, dim in zip(leaves, dims) if dim is not None]
+  whole = [g for g, dim in zip(leaves, dims) if dim is None]
+  squares = [stage_local_grad_norm(split, (stage_axis, fsdp_axis)),
+             stage_local_grad_norm(whole, stage_axis)]
+  return jnp.sqrt(sum(jnp.square(n) for n in squares))
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerLayout:
+  """An optimizer's view of FSDP-split params: whole layers, ``1/F`` of them per device.
+
+  An optimizer that is not elementwise (Adafactor's factored statistics,
+  Muon's Newton-Schulz, Kron's preconditioners) needs each layer's matrices
+  whole. Each device of the FSDP axis takes every slice of ``1/F`` of the
+  stage's layers (one all-to-all of the gradients), updates them with their
+  state, and returns the slices (one all-to-all of the params): the state
+  stays split ``1/F`` per device, and Muon's Newton–Schulz is split over the
+  axis's devices, one ``F``-th of the layers each. The layers split over
+  the repeats dim (``R % F == 0``), else over the layers-per-stage dim.
+  """
+
+  axis: str
+  dim: int  # the stacked dim split over `axis`: 0 (repeats) or 2 (layers per stage)
+
+  @classmethod
+  def choose(cls, schedule: CircularSchedule, axis: str, size: int) -> _LayerLayout:
+    if schedule.num_repeats % size == 0:
+      return cls(axis, 0)
+    if schedule.stacked_axes == 3 and schedule.layers_per_stage % size == 0:
+      return cls(axis, 2)
+    raise ValueError(
+        f"fsdp_axis {axis!r} has {size} devices; an optimizer that is not elementwise updates"
+        f" whole layers, {schedule.num_layers // schedule.num_stages} per stage split over them,"
+        f" which needs num_repeats={schedule.num_repeats} or layers_per_stage="
+        f"{schedule.layers_per_stage} divisible by {size}."
+    )
+
+  def stacked_spec(self, stage_axis: str) -> tuple[str | None, ...]:
+    return (self.axis, stage_axis) if self.dim == 0 else (None, stage_axis, self.axis)
+
+  def spec(self, stage_axis: str) -> jax.sharding.PartitionSpec:
+    return jax.sharding.PartitionSpec(*self.stacked_spec(stage_axis))
+
+  def to_layers(self, tree: PyTree, fsdp: PyTree) -> PyTree:
+    def move(x, dim):
+      if dim is None:
+        count = x.shape[self.dim] // jax.lax.axis_size(self.axis)
+        start = jax.lax.axis_index(self.axis) * count
+        return jax.lax.dynamic_slice_in_dim(x, start, count, self.dim)
+      return jax.lax.all_to_all(x, self.axis, self.dim, dim, tiled=True)
+
+    return jax.tree.map(move, tree, fsdp)
+
+  def from_layers(self, tree: PyTree, fsdp: PyTree) -> PyTree:
+    def move(x, dim):
+      if dim is None:
+        return jax.lax.all_gather(x, self.axis, axis=self.dim, tiled=True)
+      return jax.lax.all_to_all(x, self.axis, dim, self.dim, tiled=True)
+
+    return jax.tree.map(move, tree, fsdp)
 
 
 def make_train_step(
@@ -173,6 +318,9 @@ def make_train_step(
     data_axis: str | None = None,
     remat: bool = True,
     learning_rate_fn: optax.Schedule | None = None,
+    fsdp_axis: str | None = None,
+    fsdp_min_size: int = FSDP_MIN_SIZE,
+    fsdp_regather: bool = True,
 ) -> PipelineTrainStep:
   """A train step for stage-stacked params: pipelined forward/backward, stage-local update.
 
@@ -192,6 +340,19 @@ def make_train_step(
     remat: see `circular_pipeline`.
     learning_rate_fn: overrides the optimizer's schedule, evaluated at its
       step count (see ``apply_gradients_stage_local``).
+    fsdp_axis: a mesh axis over which each stage's params, gradients and
+      optimizer state are split as well (FSDP inside the stage; it also
+      splits the microbatches, and may be `data_axis` itself, ZeRO-3), or
+      None. Every device then holds ``1/(S F)`` of the stacked tree, apart
+      from leaves whose layer slice has fewer than `fsdp_min_size` elements,
+      which stay whole. The forward and backward passes gather a repeat's
+      weights in a sliding window (see `circular_pipeline`); gradients are
+      reduce-scattered. AdamW, Lion and RMSProp update each device's slices
+      in place; other optimizers update ``1/F`` of the stage's layers whole
+      on each device (`state_specs`), so Muon's Newton–Schulz is split over
+      the axis.
+    fsdp_min_size: see `fsdp_dims`.
+    fsdp_regather: see `circular_pipeline`.
 
   Returns:
     A `PipelineTrainStep`.
@@ -202,9 +363,10 @@ def make_train_step(
     NotImplementedError: `tx` was built without a stage-local path
       (`make_unsupported_stage_local_gradient_transformation`).
     ValueError: ``tx.metadata.stacked_axes != schedule.stacked_axes``; mesh
-      axes missing or of the wrong size.
+      axes missing or of the wrong size; Muon's ``distributed_axes`` naming
+      `fsdp_axis` (its devices hold different layers already).
   """
-  _check_config(mesh, schedule, stage_axis, data_axis)
+  _check_config(mesh, schedule, stage_axis, data_axis, fsdp_axis)
   if not callable(getattr(tx, "apply_gradients_stage_local", None)):
     raise TypeError(
         "tx must be a stage-local transform with apply_gradients_stage_local (build it with"
@@ -222,6 +384,14 @@ def make_train_step(
         f" OptimizerFactory.create(..., stacked_axes={schedule.stacked_axes}) so that the optimizer"
         " treats the stacked dims as batch dims."
     )
+  distributed = getattr(getattr(metadata, "optimizer_config", None), "distributed_axes", None)
+  if fsdp_axis is not None and fsdp_axis in (distributed or ()):
+    raise ValueError(
+        f"the optimizer's distributed_axes={tuple(distributed)} names fsdp_axis {fsdp_axis!r}:"
+        " under FSDP each of its devices updates its own layers, so Newton-Schulz is split"
+        " over it already; name only other (data-parallel) axes there."
+    )
   return PipelineTrainStep(
-      stage_fn, loss_fn, tx, mesh, schedule, stage_axis, data_axis, remat, learning_rate_fn
+      stage_fn, loss_fn, tx, mesh, schedule, stage_axis, data_axis, remat, learning_rate_fn,
+      fsdp_axis, fsdp_min_size, fsdp_regather,
   )

@@ -50,11 +50,11 @@ CASES = {
 OPTIMIZERS = [name for name in CASES if importlib.util.find_spec(f"pallasopt.optim.{name}")]
 
 
-def stage_mesh(num_stages, data=1):
+def stage_mesh(num_stages, data=1, second_axis="data"):
   devices = np.array(jax.devices()[: num_stages * data])
   if data == 1:
     return Mesh(devices, ("stage",))
-  return Mesh(devices.reshape(num_stages, data), ("stage", "data"))
+  return Mesh(devices.reshape(num_stages, data), ("stage", second_axis))
 
 
 def sequential_loss(layers, inputs, targets):
@@ -73,16 +73,18 @@ def whole_model_reference(tx, schedule, layers, inputs, targets):
   return step, tx.init(layers)
 
 
-def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1):
+def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1, fsdp=1):
   """STEPS pipelined steps against STEPS unpipelined Optax steps; returns the step."""
   config = CASES[name][0]
   kwargs = dict(weight_decay=0.01, impl=impl, gradient_accumulation_steps=accumulation)
   tx, _ = OptimizerFactory.create(name, SCHEDULER, config, stacked_axes=schedule.stacked_axes,
                                   clip_grad=clip, **kwargs)
-  mesh = stage_mesh(schedule.num_stages, data)
+  mesh = stage_mesh(schedule.num_stages, max(data, fsdp), "fsdp" if fsdp > 1 else "data")
   stage_fn = layer if schedule.layers_per_stage == 1 else scan_layers(layer)
+  # The 8x8 weights are split over the FSDP axis, the 8-element biases stay whole.
+  fsdp_args = dict(fsdp_axis="fsdp", fsdp_min_size=64) if fsdp > 1 else {}
   step = make_train_step(stage_fn, mse, tx, mesh=mesh, schedule=schedule,
-                         data_axis="data" if data > 1 else None)
+                         data_axis="data" if data > 1 else None, **fsdp_args)
   layers = make_layers(schedule.num_layers)
   inputs, targets = make_batch(schedule.num_microbatches)
   ref_tx, _ = OptimizerFactory.create(name, SCHEDULER, config, stacked_axes=1, clip_grad=clip,
@@ -112,6 +114,21 @@ def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1)
 def test_three_steps_equal_the_unpipelined_model(name, clip):
   S, M, R, lps, streamed = CASES[name][1]
   run_and_compare(name, clip, CircularSchedule(S, M, R, lps, streamed_io=streamed))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fsdp_three_steps_equal_the_unpipelined_model(name):
+  # AdamW and Lion update their slices in place; Adafactor (split over its
+  # layers per stage), Muon and Kron (over the repeats) update whole layers.
+  S, M, R, lps, streamed = CASES[name][1]
+  run_and_compare(name, 0.05, CircularSchedule(S, M, R, lps, streamed_io=streamed), fsdp=2)
+
+
+def test_fsdp_with_gradient_accumulation_and_interpret_mode_kernels():
+  # With accumulation and a clip even AdamW updates whole layers: the
+  # stage-local step takes the averaged gradient's norm over (stage, fsdp).
+  run_and_compare("adamw", 0.05, CircularSchedule(2, 2, 2), accumulation=2, fsdp=2,
+                  impl="interpret")
 
 
 def test_kron_with_several_layers_per_stage_draws_each_layers_own_probe():

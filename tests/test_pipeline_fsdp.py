@@ -1,0 +1,270 @@
+"""FSDP inside each pipeline stage: params, gradients and optimizer state split over a
+second mesh axis, each repeat's weights gathered in a sliding window.
+
+Runs on the 8 fake CPU devices that conftest.py requests: the forward and
+backward equal the unpipelined model (both backward forms), two train steps
+equal the unpipelined Optax steps on the issue's mesh (4 stages x 2 FSDP
+devices, 8 microbatches, 2 repeats), each device holds an eighth of the
+params and state, the compiled step gathers and reduce-scatters as the design
+says, and the sharded state checkpoints with orbax.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+
+from helpers import assert_close, assert_trees_close
+from pipeline_model import layer, make_batch, make_layers, mse, sequential
+from pallasopt.optim.eformer import AdamWConfig, MuonConfig, OptimizerFactory, SchedulerConfig
+from pallasopt.pipeline.circular import circular_pipeline, io_specs, scan_layers
+from pallasopt.pipeline.layout import fsdp_dims, layers_to_stages, stage_shardings, stages_to_layers
+from pallasopt.pipeline.schedule import CircularSchedule
+from pallasopt.pipeline.train import make_train_step
+
+RTOL = 1e-5
+
+
+def mesh_of(*axes):
+  """A mesh of the first devices, ``axes`` as ``(name, size)`` pairs."""
+  sizes = [n for _, n in axes]
+  devices = np.array(jax.devices()[: int(np.prod(sizes))]).reshape(sizes)
+  return Mesh(devices, tuple(name for name, _ in axes))
+
+
+def test_fsdp_dims_split_the_largest_inner_dim_and_leave_small_leaves_whole():
+  schedule = CircularSchedule(num_stages=2, num_microbatches=2, num_repeats=1, layers_per_stage=2)
+  shapes = {
+      "w": (1, 2, 2, 64, 256),   # rows preferred to the (larger) last dim
+      "v": (1, 2, 2, 96, 30),    # 30 is not divisible: rows
+      "u": (1, 2, 2, 7, 1024),   # only the last dim divides
+      "b": (1, 2, 2, 256),       # too small
+      "odd": (1, 2, 2, 63, 65),  # no dim divides
+  }
+  stacked = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+  dims = fsdp_dims(stacked, schedule, 2, min_size=1024)
+  assert dims == {"w": 3, "v": 3, "u": 4, "b": None, "odd": None}
+  assert fsdp_dims(stacked, schedule, 1, min_size=1) == dict.fromkeys(shapes)
+
+
+# S, R, M, streamed, remat, lps, regather: both io layouts, R = 1 and 2, the
+# circular buffer (M > S with R > 1), several layers per stage, both backward forms.
+CASES = [
+    (2, 2, 4, False, True, 1, True),
+    (2, 2, 4, True, False, 1, True),
+    (4, 2, 4, True, True, 1, False),
+    (2, 1, 2, True, True, 2, True),
+    (2, 3, 4, False, True, 1, True),
+]
+
+
+def check_pipeline(schedule, *, remat, regather, axes, data_axis=None, fsdp_axis="fsdp"):
+  mesh = mesh_of(("stage", schedule.num_stages), *axes)
+  stage_fn = layer if schedule.layers_per_stage == 1 else scan_layers(layer)
+  layers = make_layers(schedule.num_layers)
+  inputs, targets = make_batch(schedule.num_microbatches, microbatch=8)
+  spec = io_specs(schedule, data_axis=data_axis, fsdp_axis=fsdp_axis)
+  inputs, targets = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (inputs, targets))
+  stacked = layers_to_stages(layers, schedule)
+  # The 8x8 weights are split, the 8-element biases stay whole.
+  dims = fsdp_dims(stacked, schedule, mesh.shape[fsdp_axis], min_size=64)
+  stacked = jax.device_put(stacked, stage_shardings(mesh, stacked, fsdp_axis=fsdp_axis, fsdp=dims))
+
+  def pipelined_loss(stacked):
+    outputs = circular_pipeline(
+        stage_fn, stacked, inputs, mesh=mesh, schedule=schedule, data_axis=data_axis,
+        remat=remat, fsdp_axis=fsdp_axis, fsdp_min_size=64, fsdp_regather=regather,
+    )
+    return mse(outputs, targets), outputs
+
+  (loss, outputs), grads = jax.jit(jax.value_and_grad(pipelined_loss, has_aux=True))(stacked)
+  ref_fn = lambda layers: (mse(out := sequential(layer, layers, inputs), targets), out)
+  (ref_loss, ref_out), ref_grads = jax.jit(jax.value_and_grad(ref_fn, has_aux=True))(layers)
+  assert_close(outputs, ref_out, RTOL, "outputs")
+  assert_close(loss, ref_loss, RTOL, "loss")
+  assert_trees_close(grads, layers_to_stages(ref_grads, schedule), RTOL)
+  # Gradients leave split like their params.
+  w_dim = dims["w"]
+  assert grads["w"].sharding.spec[w_dim] == fsdp_axis, grads["w"].sharding
+  assert tuple(grads["b"].sharding.spec[:2]) == (None, "stage")
+
+
+@pytest.mark.parametrize("S,R,M,streamed,remat,lps,regather", CASES)
+def test_loss_and_grads_equal_sequential(S, R, M, streamed, remat, lps, regather):
+  schedule = CircularSchedule(num_stages=S, num_microbatches=M, num_repeats=R,
+                              layers_per_stage=lps, streamed_io=streamed)
+  check_pipeline(schedule, remat=remat, regather=regather, axes=[("fsdp", 2)])
+
+
+def test_fsdp_axis_that_is_the_data_axis_zero3():
+  schedule = CircularSchedule(num_stages=4, num_microbatches=4, num_repeats=2)
+  check_pipeline(schedule, remat=True, regather=True, axes=[("data", 2)],
+                 data_axis="data", fsdp_axis="data")
+
+
+def test_fsdp_axis_beside_a_data_axis():
+  schedule = CircularSchedule(num_stages=2, num_microbatches=4, num_repeats=2)
+  check_pipeline(schedule, remat=True, regather=True, axes=[("data", 2), ("fsdp", 2)],
+                 data_axis="data")
+
+
+# ---- The train step on the issue's mesh: 4 stages x 2 FSDP devices. ----
+
+SCHEDULE = CircularSchedule(num_stages=4, num_microbatches=8, num_repeats=2)
+SCHEDULER = SchedulerConfig("linear", learning_rate=1e-2, learning_rate_end=5e-3, steps=4)
+HIDDEN = 128
+# With 256 features the whole biases (and AdamW's moments of them) are under
+# 1% of the params and state.
+SHARE_HIDDEN = 256
+
+
+def build(name, fsdp, hidden=HIDDEN, **step_args):
+  config = AdamWConfig(b2=0.95) if name == "adamw" else MuonConfig()
+  tx, _ = OptimizerFactory.create(name, SCHEDULER, config, weight_decay=0.01, clip_grad=0.05,
+                                  stacked_axes=SCHEDULE.stacked_axes)
+  if fsdp:
+    mesh, axes = mesh_of(("stage", 4), ("fsdp", 2)), dict(fsdp_axis="fsdp")
+  else:
+    mesh, axes = mesh_of(("stage", 4), ("data", 2)), dict(data_axis="data")
+  step = make_train_step(layer, mse, tx, mesh=mesh, schedule=SCHEDULE, **axes, **step_args)
+  layers = make_layers(SCHEDULE.num_layers, hidden=hidden)
+  inputs, targets = make_batch(SCHEDULE.num_microbatches, microbatch=4, hidden=hidden)
+  return step, tx, layers, inputs, targets
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_two_steps_equal_the_unpipelined_model_with_and_without_fsdp(name):
+  results = []
+  for fsdp in (False, True):
+    step, _, layers, inputs, targets = build(name, fsdp)
+    params = step.shard_params(layers_to_stages(layers, SCHEDULE))
+    opt_state = step.init(params)
+    batch = step.shard_batch(inputs, targets)
+    for _ in range(2):
+      params, opt_state, metrics = step(params, opt_state, *batch)
+    results.append((stages_to_layers(params, SCHEDULE), metrics))
+  ref_tx, _ = OptimizerFactory.create(
+      name, SCHEDULER, AdamWConfig(b2=0.95) if name == "adamw" else MuonConfig(),
+      weight_decay=0.01, clip_grad=0.05, stacked_axes=1)
+
+  @jax.jit
+  def ref_step(params, state):
+    loss, grads = jax.value_and_grad(lambda p: mse(sequential(layer, p, inputs), targets))(params)
+    updates, state = ref_tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  ref_params, ref_state = layers, ref_tx.init(layers)
+  for _ in range(2):
+    ref_params, ref_state, ref_loss = ref_step(ref_params, ref_state)
+  for params, metrics in results:
+    assert_close(metrics["loss"], ref_loss, RTOL, "loss of step 2")
+    assert_trees_close(params, ref_params, RTOL)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_each_device_holds_an_eighth_of_params_and_state(name):
+  step, tx, layers, *_ = build(name, fsdp=True, hidden=SHARE_HIDDEN)
+  params = step.shard_params(layers_to_stages(layers, SCHEDULE))
+  opt_state = step.init(params)
+  total = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+  whole = sum(x.nbytes for x in jax.tree.leaves((params, opt_state))
+              if "fsdp" not in jax.tree.leaves(tuple(x.sharding.spec)))
+  assert whole < 0.01 * total, (whole, total)
+  for device in step.mesh.devices.flat:
+    held = sum(s.data.nbytes for x in jax.tree.leaves((params, opt_state))
+               for s in x.addressable_shards if s.device == device)
+    assert held <= total / 8 + whole, (device, held, total)
+  # AdamW's moments are split like their params; Muon's state by layers.
+  mu = jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu"))
+  w_state = [x for x in jax.tree.leaves(opt_state) if x.shape == params["w"].shape]
+  assert w_state and mu
+  expected = params["w"].sharding.spec if name == "adamw" else ("fsdp", "stage")
+  for x in w_state:
+    assert tuple(x.sharding.spec)[: len(expected)] == tuple(expected), x.sharding
+
+
+def _collectives(text: str) -> list[tuple[str, str]]:
+  """(op, result shape) of every collective in a compiled module, shapes without the dtype."""
+  return [(op, shape) for shape, op in re.findall(
+      r"= [a-z]+\d*(\[\S*) (all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(", text
+  )]
+
+
+@pytest.mark.parametrize("regather", [True, False])
+def test_the_compiled_step_gathers_each_repeat_and_reduce_scatters(regather):
+  step, tx, layers, inputs, targets = build("adamw", fsdp=True, fsdp_regather=regather)
+  params = step.shard_params(layers_to_stages(layers, SCHEDULE))
+  opt_state = step.init(params)
+  batch = step.shard_batch(inputs, targets)
+  lowered = step.lower(params, opt_state, *batch)
+  ops = _collectives(lowered.compile().as_text())
+  layer_w = f"[{HIDDEN},{HIDDEN}]"
+  gathers = [shape for op, shape in ops if op == "all-gather"]
+  scatters = [shape for op, shape in ops if op == "reduce-scatter"]
+  # At most twice per repeat (forward, backward); XLA's CPU compiler merges
+  # the backward's into the forward's, other targets keep both (aot tier).
+  assert all(s.startswith(layer_w) for s in gathers) and len(gathers) <= 2 * SCHEDULE.num_repeats
+  assert len(scatters) == SCHEDULE.num_repeats, ops
+  assert all(s.startswith(f"[{HIDDEN // 2},{HIDDEN}]") for s in scatters), ops
+  # Nothing of a weight's size is all-reduced: only the whole biases' gradients and scalars.
+  reduced = [shape for op, shape in ops if op == "all-reduce"]
+  sizes = [np.prod([int(n) for n in re.findall(r"\d+", s.split("]")[0])]) for s in reduced]
+  assert max(sizes) < HIDDEN * HIDDEN // 2, reduced
+  # The prefetch, in the program's order: the gather of repeat r + 1 comes
+  # before the loop of window r (iterations [r M, (r + 1) M), which starts
+  # repeat r), long before the window in which the stages finish repeat r.
+  events = re.findall(r'"stablehlo\.all_gather"|stablehlo\.while', lowered.as_text())
+  gather_at = [i for i, e in enumerate(events) if e != "stablehlo.while"]
+  loop_at = [i for i, e in enumerate(events) if e == "stablehlo.while"]
+  for r in range(SCHEDULE.num_repeats - 1):
+    assert gather_at[r + 1] < loop_at[r], events
+
+
+def test_sharded_state_checkpoints_with_orbax(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  step, tx, layers, inputs, targets = build("adamw", fsdp=True)
+  params = step.shard_params(layers_to_stages(layers, SCHEDULE))
+  opt_state = step.init(params)
+  params, opt_state, _ = step(params, opt_state, *step.shard_batch(inputs, targets))
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
+  checkpointer.wait_until_finished()
+  target = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      {"params": params, "opt_state": opt_state},
+  )
+  restored = checkpointer.restore(tmp_path / "ckpt", target)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves({"params": params, "opt_state": opt_state})):
+    assert got.sharding == want.sharding
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # The restored state trains on.
+  step(restored["params"], restored["opt_state"], *step.shard_batch(inputs, targets))
+
+
+def test_bad_fsdp_configurations_raise():
+  schedule = CircularSchedule(num_stages=2, num_microbatches=4, num_repeats=1)
+  mesh = mesh_of(("stage", 2), ("fsdp", 2))
+  stacked = layers_to_stages(make_layers(2), schedule)
+  inputs, _ = make_batch(4)
+  with pytest.raises(ValueError, match="fsdp_axis 'shard' is not an axis of the mesh"):
+    circular_pipeline(layer, stacked, inputs, mesh=mesh, schedule=schedule, fsdp_axis="shard")
+  with pytest.raises(ValueError, match="stage_axis and fsdp_axis must differ"):
+    circular_pipeline(layer, stacked, inputs, mesh=mesh, schedule=schedule, fsdp_axis="stage")
+  with pytest.raises(ValueError, match=r"microbatch size 3, not divisible by the 2 devices"):
+    circular_pipeline(layer, stacked, inputs[:, :3], mesh=mesh, schedule=schedule,
+                      fsdp_axis="fsdp")
+  muon, _ = OptimizerFactory.create("muon", SCHEDULER, MuonConfig(distributed_axes=("fsdp",)),
+                                    stacked_axes=schedule.stacked_axes)
+  with pytest.raises(ValueError, match="distributed_axes=.*names fsdp_axis 'fsdp'"):
+    make_train_step(layer, mse, muon, mesh=mesh, schedule=schedule, fsdp_axis="fsdp")
+  # A non-elementwise optimizer updates whole layers: R or lps must split over the axis.
+  muon, _ = OptimizerFactory.create("muon", SCHEDULER, MuonConfig(),
+                                    stacked_axes=schedule.stacked_axes)
+  step = make_train_step(layer, mse, muon, mesh=mesh, schedule=schedule, fsdp_axis="fsdp",
+                         fsdp_min_size=64)
+  with pytest.raises(ValueError, match="needs num_repeats=1 or layers_per_stage=1 divisible by 2"):
+    step.state_specs(stacked)
