@@ -166,14 +166,21 @@ def _put_ptxas_on_path() -> None:
 
 
 @functools.cache
-def devices(target: str):
-  """The compile-only devices of ``target``'s topology (a ValueError if it cannot be had)."""
+def devices(target: str, chips: str | None = None):
+  """The compile-only devices of ``target``'s topology (a ValueError if it cannot be had).
+
+  ``chips`` replaces a TPU target's chip grid (``"2x4"``: a v5e of 8 chips).
+  """
   why = missing(target)
   if why is not None:
     raise ValueError(f"cannot compile for {target}: {why}.")
   from jax.experimental import topologies
 
   platform, topology = TARGETS[target]
+  if chips is not None:
+    if platform != "tpu":
+      raise ValueError(f"chips={chips!r}: only a TPU target's chip grid can be chosen, not {target}'s.")
+    topology = f"{topology.split(':')[0]}:{chips}"
   if platform == "tpu":
     # libtpu takes a lockfile for the TPU it drives; a compile-only topology
     # drives none, so several processes may each load it.

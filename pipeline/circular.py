@@ -279,10 +279,10 @@ class _Fsdp(NamedTuple):
   regather: bool
 
 
-def _gather_repeat(fsdp: _Fsdp, params: PyTree, repeat: int) -> PyTree:
-  """This stage's weights of one repeat, whole: the FSDP slices all-gathered."""
+def _gather_repeat(fsdp: _Fsdp, params: PyTree, repeat) -> PyTree:
+  """This stage's weights of one repeat (an int or a traced index), whole: the FSDP slices all-gathered."""
   def gather(p, dim):
-    x = p[repeat, 0]
+    x = lax.dynamic_index_in_dim(p[:, 0], repeat, 0, keepdims=False)
     return x if dim is None else lax.all_gather(x, fsdp.axis, axis=dim - 2, tiled=True)
 
   return jax.tree.map(gather, params, fsdp.dims)
@@ -296,20 +296,6 @@ def _scatter_repeat(fsdp: _Fsdp, cotangents: PyTree) -> PyTree:
     )
 
   return jax.tree.map(scatter, cotangents, fsdp.dims)
-
-
-def _windows(schedule: CircularSchedule):
-  """The FSDP windows: ``(first, last repeat used, iterations)`` per block of ``M`` iterations.
-
-  In iterations ``[w M, (w + 1) M)`` stage ``s`` finishes repeat ``w - 1``
-  (its first ``s`` iterations) and starts repeat ``w``, so each window needs
-  at most two repeats' weights.
-  """
-  M, R = schedule.num_microbatches, schedule.num_repeats
-  for w in range(R + 1):
-    iterations = np.arange(w * M, min((w + 1) * M, schedule.num_iterations))
-    if iterations.size:
-      yield max(w - 1, 0), min(w, R - 1), iterations
 
 
 def _local_pipeline(stage_fn, schedule: CircularSchedule, stage_axis: str,
@@ -393,36 +379,55 @@ def _local_pipeline(stage_fn, schedule: CircularSchedule, stage_axis: str,
   return jax.tree.map(lambda x: lax.psum(x, stage_axis), last)
 
 
+def _window_iterations(schedule: CircularSchedule, window):
+  """The iterations of window ``w`` (an int or a traced index): ``[w M, (w + 1) M)``."""
+  M = schedule.num_microbatches
+  return window * M + (jnp.arange(M) if isinstance(window, jax.Array) else np.arange(M))
+
+
 def _windowed(run, start, fsdp: _Fsdp, schedule: CircularSchedule, params, inputs):
   """The schedule window by window, each repeat's weights gathered one window early.
 
-  Returns the final carry and the carry each window started from.
+  Window ``w`` is iterations ``[w M, (w + 1) M)``, in which stage ``s`` finishes
+  repeat ``w - 1`` (its first ``s`` iterations) and starts repeat ``w``:
+  windows ``0 .. R - 2`` run in a `lax.scan` whose carry holds the two
+  repeats' gathered weights, each iteration gathering repeat ``w + 1`` while
+  the window computes (at most three repeats whole at a time); window
+  ``R - 1`` and the last ``S - 1`` iterations (repeat ``R - 1`` alone)
+  follow. Returns the final carry and the carries the windows start from
+  (those of the scan stacked, then the last two).
   """
-  gathered = {0: _gather_repeat(fsdp, params, 0)}
-  carry, starts = start(inputs), []
-  for first, last, iterations in _windows(schedule):
-    if last + 1 < schedule.num_repeats:  # prefetch the next window's repeat
-      gathered[last + 1] = _gather_repeat(fsdp, params, last + 1)
-    weights = tuple(gathered[r] for r in sorted({first, last}))
+  M, R = schedule.num_microbatches, schedule.num_repeats
+  first = _gather_repeat(fsdp, params, 0)
+
+  def window(state, w):
+    carry, lo, hi = state
+    following = _gather_repeat(fsdp, params, w + 1)
+    done = run(carry, (lo, hi), w - 1, _window_iterations(schedule, w), inputs)
+    return (done, hi, following), carry
+
+  (carry, lo, hi), scanned = lax.scan(window, (start(inputs), first, first), jnp.arange(R - 1))
+  starts = [carry]
+  carry = run(carry, (lo, hi), R - 2, _window_iterations(schedule, R - 1), inputs)
+  if schedule.num_iterations > R * M:
     starts.append(carry)
-    carry = run(carry, weights, first, iterations, inputs)
-    gathered.pop(first - 1, None)
-  return carry, starts
+    carry = run(carry, (hi,), R - 1, np.arange(R * M, schedule.num_iterations), inputs)
+  return carry, (scanned, starts)
 
 
 def _windowed_regathering(run, start, axes, fsdp: _Fsdp, schedule: CircularSchedule):
   """`_windowed`'s outputs, with a backward pass that regathers in a sliding window.
 
   The forward pass keeps only the carry each window starts from. The
-  backward pass walks the windows last to first: it gathers the repeats the
-  next window back needs before this one runs (the same prefetch), runs the
-  window forward again from its saved carry (`jax.vjp`) and pulls the
-  cotangents back. A repeat's weight cotangents are complete, and
-  reduce-scattered, once the first window that uses it is done; its
-  gathered weights are dropped then. Each repeat is gathered once each way.
+  backward pass walks the windows last to first (a reverse `lax.scan`): it
+  gathers the repeat the next window back needs while this one runs again
+  from its saved carry (`jax.vjp`) and pulls the cotangents back. A repeat's
+  weight cotangents are complete once the first window that uses it is done;
+  they are reduce-scattered then, and its gathered weights dropped. Each
+  repeat is gathered once each way.
   """
-  windows = list(_windows(schedule))
-  uses = [{first, last} for first, last, _ in windows]
+  M, R = schedule.num_microbatches, schedule.num_repeats
+  tail = np.arange(R * M, schedule.num_iterations)
 
   @jax.custom_vjp
   def pipeline(params, inputs):
@@ -432,60 +437,55 @@ def _windowed_regathering(run, start, axes, fsdp: _Fsdp, schedule: CircularSched
     carry, starts = _windowed(run, start, fsdp, schedule, params, inputs)
     return carry[2], (params, inputs, starts)
 
+  def pull(carry, weights, first_repeat, iterations, inputs, carry_ct):
+    _, pullback = jax.vjp(
+        lambda c, w, x: run(c, w, first_repeat, iterations, x), carry, weights, inputs
+    )
+    return pullback(carry_ct)
+
   def backward(residuals, io_cotangent):
-    params, inputs, starts = residuals
+    params, inputs, (scanned, starts) = residuals
     zeros = lambda tree: jax.tree.map(lambda x: _varying_zeros(x.shape, x.dtype, axes), tree)
     incoming, buffer, _ = starts[-1]
     carry_ct = (zeros(incoming), zeros(buffer), io_cotangent)
-    inputs_ct, anchor, gathered, weights_ct, params_ct = None, None, {}, {}, {}
-    for i in reversed(range(len(windows))):
-      first, last, iterations = windows[i]
-      # Tied to the backward pass's progress (the last window's weight
-      # cotangents, typed like the split params), so that XLA neither merges
-      # these gathers with the forward pass's nor hoists them all to its start.
-      now = params if anchor is None else _tie_sharded(fsdp, params, anchor)
-      for r in sorted(uses[i] | (uses[i - 1] if i else set()), reverse=True):
-        if r not in gathered and r not in params_ct:
-          gathered[r] = _gather_repeat(fsdp, now, r)
-      repeats = sorted(uses[i])
-      _, pullback = jax.vjp(
-          lambda c, w, x: run(c, w, first, iterations, x),
-          starts[i], tuple(gathered[r] for r in repeats), inputs,
+    hi = _gather_repeat(fsdp, params, R - 1)
+    lo = hi if R == 1 else _gather_repeat(fsdp, params, R - 2)
+    if tail.size:  # repeat R - 1 alone
+      carry_ct, (later_ct,), inputs_ct = pull(starts[1], (hi,), R - 1, tail, inputs, carry_ct)
+    else:
+      later_ct = jax.tree.map(_typed_zeros, hi)
+      inputs_ct = jax.tree.map(_typed_zeros, inputs)
+
+    def window(state, xs):
+      carry_ct, lo, hi, hi_ct, inputs_ct = state  # weights of repeats w - 1 and w
+      w, carry = xs
+      # The next window back needs repeat w - 2 (windows 1 and 0: repeat 0, `lo`).
+      following = lax.cond(w >= 2, lambda: _gather_repeat(fsdp, params, w - 2), lambda: lo)
+      carry_ct, (lo_ct, window_hi_ct), window_inputs_ct = pull(
+          carry, (lo, hi), w - 1, _window_iterations(schedule, w), inputs, carry_ct
       )
-      carry_ct, window_ct, window_inputs_ct = pullback(carry_ct)
-      anchor = window_ct
-      inputs_ct = _accumulate(inputs_ct, window_inputs_ct)
-      for r, ct in zip(repeats, window_ct):
-        weights_ct[r] = _accumulate(weights_ct.get(r), ct)
-        if not any(r in earlier for earlier in uses[:i]):
-          params_ct[r] = _scatter_repeat(fsdp, weights_ct.pop(r))
-          del gathered[r]
+      # Repeat w is complete; in window 0 `lo` is repeat 0 as well.
+      first_ct = jax.tree.map(lambda c: jnp.where(w == 0, c, jnp.zeros_like(c)), lo_ct)
+      done = jax.tree.map(lambda *cts: sum(cts), hi_ct, window_hi_ct, first_ct)
+      state = (carry_ct, following, lo, lo_ct, _accumulate(inputs_ct, window_inputs_ct))
+      return state, _scatter_repeat(fsdp, done)
+
+    carries = jax.tree.map(lambda s, last: jnp.concatenate([s, last[None]]), scanned, starts[0])
+    (carry_ct, *_, inputs_ct), repeats_ct = lax.scan(
+        window, (carry_ct, lo, hi, later_ct, inputs_ct), (jnp.arange(R), carries), reverse=True
+    )
     _, start_pullback = jax.vjp(start, inputs)
     inputs_ct = _accumulate(inputs_ct, start_pullback(carry_ct)[0])
-    stacked_ct = jax.tree.map(
-        lambda *cts: jnp.stack(cts)[:, None], *(params_ct[r] for r in range(schedule.num_repeats))
-    )
-    return stacked_ct, inputs_ct
+    return jax.tree.map(lambda ct: ct[:, None], repeats_ct), inputs_ct
 
   pipeline.defvjp(forward, backward)
   return pipeline
 
 
-def _tie_sharded(fsdp: _Fsdp, params: PyTree, anchor: tuple[PyTree, ...]) -> PyTree:
-  """`params`, its FSDP-split leaves passed through an optimization barrier with `anchor`'s.
-
-  `anchor` holds trees of weight cotangents; their split leaves vary over
-  the mesh axes the split params do, so the barrier keeps the params' types.
-  """
-  leaves, treedef = jax.tree.flatten(params)
-  split = [i for i, dim in enumerate(treedef.flatten_up_to(fsdp.dims)) if dim is not None]
-  anchors = [treedef.flatten_up_to(tree) for tree in anchor]
-  tied = lax.optimization_barrier(
-      ([leaves[i] for i in split], [a[i] for a in anchors for i in split])
-  )[0]
-  for i, leaf in zip(split, tied):
-    leaves[i] = leaf
-  return treedef.unflatten(leaves)
+def _typed_zeros(x: jax.Array) -> jax.Array:
+  """Zeros of `x`'s shape and dtype, varying over the mesh axes `x` varies over."""
+  vma = tuple(getattr(jax.typeof(x), "vma", ()))
+  return _varying_zeros(x.shape, x.dtype, vma) if vma else jnp.zeros_like(x)
 
 
 def _accumulate(total: PyTree | None, more: PyTree) -> PyTree:

@@ -12,12 +12,14 @@ says, and the sharded state checkpoints with orbax.
 import re
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
+from bench.pipeline_fsdp import collective_runs
 from helpers import assert_close, assert_trees_close
 from pipeline_model import layer, make_batch, make_layers, mse, sequential
 from pallasopt.optim.eformer import AdamWConfig, MuonConfig, OptimizerFactory, SchedulerConfig
@@ -122,17 +124,17 @@ HIDDEN = 128
 SHARE_HIDDEN = 256
 
 
-def build(name, fsdp, hidden=HIDDEN, **step_args):
+def build(name, fsdp, hidden=HIDDEN, schedule=SCHEDULE, **step_args):
   config = AdamWConfig(b2=0.95) if name == "adamw" else MuonConfig()
   tx, _ = OptimizerFactory.create(name, SCHEDULER, config, weight_decay=0.01, clip_grad=0.05,
-                                  stacked_axes=SCHEDULE.stacked_axes)
+                                  stacked_axes=schedule.stacked_axes)
   if fsdp:
     mesh, axes = mesh_of(("stage", 4), ("fsdp", 2)), dict(fsdp_axis="fsdp")
   else:
     mesh, axes = mesh_of(("stage", 4), ("data", 2)), dict(data_axis="data")
-  step = make_train_step(layer, mse, tx, mesh=mesh, schedule=SCHEDULE, **axes, **step_args)
-  layers = make_layers(SCHEDULE.num_layers, hidden=hidden)
-  inputs, targets = make_batch(SCHEDULE.num_microbatches, microbatch=4, hidden=hidden)
+  step = make_train_step(layer, mse, tx, mesh=mesh, schedule=schedule, **axes, **step_args)
+  layers = make_layers(schedule.num_layers, hidden=hidden)
+  inputs, targets = make_batch(schedule.num_microbatches, microbatch=4, hidden=hidden)
   return step, tx, layers, inputs, targets
 
 
@@ -187,41 +189,58 @@ def test_each_device_holds_an_eighth_of_params_and_state(name):
     assert tuple(x.sharding.spec)[: len(expected)] == tuple(expected), x.sharding
 
 
-def _collectives(text: str) -> list[tuple[str, str]]:
-  """(op, result shape) of every collective in a compiled module, shapes without the dtype."""
-  return [(op, shape) for shape, op in re.findall(
-      r"= [a-z]+\d*(\[\S*) (all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(", text
-  )]
-
-
-@pytest.mark.parametrize("regather", [True, False])
-def test_the_compiled_step_gathers_each_repeat_and_reduce_scatters(regather):
-  step, tx, layers, inputs, targets = build("adamw", fsdp=True, fsdp_regather=regather)
-  params = step.shard_params(layers_to_stages(layers, SCHEDULE))
+@pytest.mark.parametrize("repeats,regather", [(2, True), (4, True), (4, False)])
+def test_each_repeat_is_gathered_once_each_way_and_reduce_scattered(repeats, regather):
+  schedule = CircularSchedule(num_stages=4, num_microbatches=8, num_repeats=repeats)
+  step, tx, layers, inputs, targets = build(
+      "adamw", fsdp=True, schedule=schedule, fsdp_regather=regather)
+  params = step.shard_params(layers_to_stages(layers, schedule))
   opt_state = step.init(params)
   batch = step.shard_batch(inputs, targets)
-  lowered = step.lower(params, opt_state, *batch)
-  ops = _collectives(lowered.compile().as_text())
-  layer_w = f"[{HIDDEN},{HIDDEN}]"
-  gathers = [shape for op, shape in ops if op == "all-gather"]
-  scatters = [shape for op, shape in ops if op == "reduce-scatter"]
-  # At most twice per repeat (forward, backward); XLA's CPU compiler merges
-  # the backward's into the forward's, other targets keep both (aot tier).
-  assert all(s.startswith(layer_w) for s in gathers) and len(gathers) <= 2 * SCHEDULE.num_repeats
-  assert len(scatters) == SCHEDULE.num_repeats, ops
-  assert all(s.startswith(f"[{HIDDEN // 2},{HIDDEN}]") for s in scatters), ops
-  # Nothing of a weight's size is all-reduced: only the whole biases' gradients and scalars.
-  reduced = [shape for op, shape in ops if op == "all-reduce"]
-  sizes = [np.prod([int(n) for n in re.findall(r"\d+", s.split("]")[0])]) for s in reduced]
-  assert max(sizes) < HIDDEN * HIDDEN // 2, reduced
-  # The prefetch, in the program's order: the gather of repeat r + 1 comes
-  # before the loop of window r (iterations [r M, (r + 1) M), which starts
-  # repeat r), long before the window in which the stages finish repeat r.
-  events = re.findall(r'"stablehlo\.all_gather"|stablehlo\.while', lowered.as_text())
-  gather_at = [i for i, e in enumerate(events) if e != "stablehlo.while"]
-  loop_at = [i for i, e in enumerate(events) if e == "stablehlo.while"]
-  for r in range(SCHEDULE.num_repeats - 1):
-    assert gather_at[r + 1] < loop_at[r], events
+  jaxpr = jax.make_jaxpr(step._step)(params, opt_state, *batch).jaxpr
+  runs = {(name, shape): n for (name, shape, _), n in collective_runs(jaxpr).items()}
+  half, whole = (HIDDEN // 2, HIDDEN), (HIDDEN, HIDDEN)
+  # Per repeat the weight's slices are gathered once forward, and its
+  # gradient reduce-scattered once. Regathering, the backward gathers the
+  # last two repeats, then in each of its R windows (a scan) one more under a
+  # cond on ``w >= 2``: R - 2 of them, R gathers in all.
+  forward = repeats
+  least, most = runs.pop(("all_gather", half))
+  if regather:
+    assert (least, most) == (forward + min(repeats, 2), forward + 2 + repeats), (least, most)
+  else:
+    assert least == most == forward
+  assert runs.pop(("reduce_scatter", whole)) == [repeats, repeats], runs
+  # Nothing else of a weight's size crosses devices (the whole biases'
+  # gradients are psummed).
+  assert all(np.prod(shape) < HIDDEN * HIDDEN // 2 for _, shape in runs), runs
+  # The prefetch: the windows run in a scan whose body gathers a repeat (one
+  # per split leaf) that the body's own iterations do not read: it is carried
+  # to the next window, so the gather overlaps this window's work.
+  windows = [eqn for eqn in _scans(jaxpr)
+             if any(e.primitive.name == "all_gather" for e in eqn.params["jaxpr"].jaxpr.eqns)]
+  assert windows, "no scan over windows gathers weights"
+  for eqn in windows:
+    body = eqn.params["jaxpr"].jaxpr
+    gathered = {v for e in body.eqns if e.primitive.name == "all_gather" for v in e.outvars}
+    inner = [e for e in body.eqns if e.primitive.name in ("scan", "custom_lin", "pjit")]
+    assert len(gathered) == 1 and inner, body  # one split leaf, the window's iterations
+    assert gathered & set(body.outvars)
+    assert not any(gathered & set(e.invars) for e in inner)
+  # Compiled, nothing of a weight's size is all-reduced either.
+  compiled = step.lower(params, opt_state, *batch).compile().as_text()
+  reduced = re.findall(r"= [a-z]+\d*\[([\d,]*)\]\S* all-reduce(?:-start)?\(", compiled)
+  assert all(np.prod([int(n) for n in r.split(",") if n]) < HIDDEN * HIDDEN // 2
+             for r in reduced), reduced
+
+
+def _scans(jaxpr):
+  """Every scan equation in `jaxpr` and the jaxprs nested in it."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      yield eqn
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      yield from _scans(sub)
 
 
 def test_sharded_state_checkpoints_with_orbax(tmp_path):
