@@ -147,8 +147,9 @@ def test_muon_step_costs_at_most_three_quarters_of_optax_flops(name, tree):
   # Model: square 4096^2 at 4 levels 0.69x; GPT-2 small (768 rows) 0.74x.
   optax_flops = _step_flops(optax.contrib.muon(1e-3), tree)
   assert _step_flops(muon(1e-3, impl="xla", gram_levels=4), tree) <= 0.75 * optax_flops
-  full = _step_flops(muon(1e-3, impl="xla", gram_levels=0), tree)
-  assert 0.99 * optax_flops <= full <= 1.01 * optax_flops
+  if name == "4096x4096":  # without the Gram levels, Optax's flops (one compile of GPT-2 small less)
+    full = _step_flops(muon(1e-3, impl="xla", gram_levels=0), tree)
+    assert 0.99 * optax_flops <= full <= 1.01 * optax_flops
 
 
 @pytest.mark.parametrize("preset,steps", [("simple", 5), ("polar_express", 8), ("cubic5", 5)])
