@@ -18,8 +18,8 @@ import argparse
 import functools
 import json
 import math
-import os
-import sys
+
+from bench import fake_cpu_devices
 
 DEVICES = 8
 MODEL_DEVICES = 64
@@ -112,8 +112,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  if "jax" not in sys.modules:
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  fake_cpu_devices(DEVICES)
   main()

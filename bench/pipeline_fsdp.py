@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
+
+from bench import fake_cpu_devices
 
 DEVICES = 8
 STAGES, MICROBATCHES, REPEATS, WIDTH, MICROBATCH = 4, 8, 8, 1024, 16
@@ -191,8 +191,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  if "jax" not in sys.modules:
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  fake_cpu_devices(DEVICES)
   main()

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 HIDDEN = 8
 
@@ -36,3 +37,19 @@ def sequential(layer_fn, layers, inputs):
 
 def mse(outputs, targets):
   return jnp.mean(jnp.square(outputs - targets))
+
+
+def reference_step(tx, inputs, targets):
+  """One jitted step of the unpipelined model under the Optax path of `tx`.
+
+  ``step(layers, state) -> (layers, state, loss, global gradient norm)``.
+  """
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(
+        lambda p: mse(sequential(layer, p, inputs), targets))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss, optax.tree.norm(grads)
+
+  return step

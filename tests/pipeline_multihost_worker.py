@@ -23,11 +23,10 @@ jax.distributed.initialize(
 )
 
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from pipeline_model import layer, make_batch, make_layers, mse, sequential  # noqa: E402
+from pipeline_model import layer, make_batch, make_layers, mse, reference_step  # noqa: E402
 from pallasopt.optim.eformer import AdamWConfig, OptimizerFactory, SchedulerConfig  # noqa: E402
 from pallasopt.pipeline.layout import layers_to_stages, stages_to_layers  # noqa: E402
 from pallasopt.pipeline.schedule import CircularSchedule  # noqa: E402
@@ -54,17 +53,13 @@ batch = step.shard_batch(inputs, targets)
 ref_tx = make(1)
 
 
-@jax.jit
-def ref_step(params, state):
-  loss, grads = jax.value_and_grad(lambda p: mse(sequential(layer, p, inputs), targets))(params)
-  updates, state = ref_tx.update(grads, state, params)
-  return optax.apply_updates(params, updates), state, loss
+ref_step = reference_step(ref_tx, inputs, targets)
 
 
 ref_params, ref_state = layers, ref_tx.init(layers)
 for i in range(3):
   params, opt_state, metrics = step(params, opt_state, *batch)
-  ref_params, ref_state, loss = ref_step(ref_params, ref_state)
+  ref_params, ref_state, loss, _ = ref_step(ref_params, ref_state)
   np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
 got = stages_to_layers(multihost_utils.process_allgather(params, tiled=True), schedule)
 for key in ref_params:

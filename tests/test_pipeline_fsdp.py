@@ -15,13 +15,12 @@ import jax
 import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
 from bench.pipeline_fsdp import collective_runs
 from helpers import assert_close, assert_trees_close
-from pipeline_model import layer, make_batch, make_layers, mse, sequential
+from pipeline_model import layer, make_batch, make_layers, mse, reference_step, sequential
 from pallasopt.optim.eformer import AdamWConfig, MuonConfig, OptimizerFactory, SchedulerConfig
 from pallasopt.pipeline.circular import circular_pipeline, io_specs, scan_layers
 from pallasopt.pipeline.layout import fsdp_dims, layers_to_stages, stage_shardings, stages_to_layers
@@ -153,15 +152,10 @@ def test_two_steps_equal_the_unpipelined_model_with_and_without_fsdp(name):
       name, SCHEDULER, AdamWConfig(b2=0.95) if name == "adamw" else MuonConfig(),
       weight_decay=0.01, clip_grad=0.05, stacked_axes=1)
 
-  @jax.jit
-  def ref_step(params, state):
-    loss, grads = jax.value_and_grad(lambda p: mse(sequential(layer, p, inputs), targets))(params)
-    updates, state = ref_tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
+  ref_step = reference_step(ref_tx, inputs, targets)
   ref_params, ref_state = layers, ref_tx.init(layers)
   for _ in range(2):
-    ref_params, ref_state, ref_loss = ref_step(ref_params, ref_state)
+    ref_params, ref_state, ref_loss, _ = ref_step(ref_params, ref_state)
   for params, metrics in results:
     assert_close(metrics["loss"], ref_loss, RTOL, "loss of step 2")
     assert_trees_close(params, ref_params, RTOL)

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh
 
 from helpers import assert_close
-from pipeline_model import layer, make_batch, make_layers, mse, sequential
+from pipeline_model import layer, make_batch, make_layers, mse, reference_step
 from pallasopt.optim.eformer import (
     AdafactorConfig,
     AdamWConfig,
@@ -57,22 +57,6 @@ def stage_mesh(num_stages, data=1, second_axis="data"):
   return Mesh(devices.reshape(num_stages, data), ("stage", second_axis))
 
 
-def sequential_loss(layers, inputs, targets):
-  return mse(sequential(layer, layers, inputs), targets)
-
-
-def whole_model_reference(tx, schedule, layers, inputs, targets):
-  """The unpipelined model, optimized by the Optax path of `tx` over all layers."""
-
-  @jax.jit
-  def step(params, state):
-    loss, grads = jax.value_and_grad(sequential_loss)(params, inputs, targets)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss, optax.tree.norm(grads)
-
-  return step, tx.init(layers)
-
-
 def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1, fsdp=1):
   """STEPS pipelined steps against STEPS unpipelined Optax steps; returns the step."""
   config = CASES[name][0]
@@ -89,7 +73,7 @@ def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1,
   inputs, targets = make_batch(schedule.num_microbatches)
   ref_tx, _ = OptimizerFactory.create(name, SCHEDULER, config, stacked_axes=1, clip_grad=clip,
                                       **kwargs)
-  ref_step, ref_state = whole_model_reference(ref_tx, schedule, layers, inputs, targets)
+  ref_step, ref_state = reference_step(ref_tx, inputs, targets), ref_tx.init(layers)
   params = step.shard_params(layers_to_stages(layers, schedule))
   opt_state = step.init(params)
   sharded_inputs, sharded_targets = step.shard_batch(inputs, targets)
