@@ -177,7 +177,7 @@ class PipelineTrainStep:
         opt_state, params, self._update_specs(params), mesh=self.mesh
     )
     local_update = functools.partial(
-        self._local_update, self._layer_layout(params), self.fsdp_dims(params)
+        self._local_update, self._layer_layout(), self.fsdp_dims(params)
     )
     update = shard_map(
         local_update,
@@ -191,7 +191,7 @@ class PipelineTrainStep:
 
   # ---- The optimizer's layout. ----
 
-  def _layer_layout(self, params: PyTree) -> _LayerLayout | None:
+  def _layer_layout(self) -> _LayerLayout | None:
     """How the optimizer sees the params under FSDP: None for its slices in place."""
     if self.fsdp_axis is None:
       return None
@@ -205,7 +205,7 @@ class PipelineTrainStep:
 
   def _update_specs(self, params: PyTree) -> PyTree:
     """The specs of the params as the optimizer updates them (and of its state)."""
-    layout = self._layer_layout(params)
+    layout = self._layer_layout()
     if layout is None:
       return self.param_specs(params)
     return jax.tree.map(lambda _: layout.spec(self.stage_axis), params)
