@@ -136,8 +136,7 @@ class ElementwiseFamily:
     for p in jax.tree.leaves(tree):
       n = math.prod(p.shape)
       if state_format in quant.FORMATS and n >= quant.MIN_QUANTIZED_SIZE:
-        codes = jax.ShapeDtypeStruct(
-            p.shape, jnp.int4 if state_format == "int4" else jnp.uint8)  # fp8: a byte too
+        codes = jax.ShapeDtypeStruct(p.shape, quant.code_dtype(quant.SIGNED, state_format))
         scales = jax.ShapeDtypeStruct(quant.scales_shape(p.shape), jnp.float32)
         state, sizes = [codes, scales] * self.moments, [n, n // quant.BLOCK] * self.moments
       else:

@@ -81,6 +81,7 @@ __all__ = [
     "role_of",
     "codec_of",
     "codec",
+    "code_dtype",
     "format_of",
     "scales_shape",
     "scales_spec",
@@ -225,6 +226,11 @@ def role_of(q: Blockwise) -> str:
 # The map of each format's signed codes (moments and ratios) and roots.
 _SIGNED_CODEC = {"int8": "dynamic", "fp8": "e4m3", "int4": "linear4"}
 _ROOT_CODEC = {"int8": "root", "fp8": "root", "int4": "root4"}
+# The dtype of each map's codes.
+_CODE_DTYPES = {
+    "dynamic": jnp.uint8, "root": jnp.uint8, "e4m3": jnp.float8_e4m3fn,
+    "linear4": jnp.int4, "root4": jnp.int4,
+}
 
 
 def codec(role: str, fmt: str) -> str:
@@ -234,6 +240,11 @@ def codec(role: str, fmt: str) -> str:
   if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {FORMATS}; got {fmt!r}.")
   return (_ROOT_CODEC if role == ROOT else _SIGNED_CODEC)[fmt]
+
+
+def code_dtype(role: str, fmt: str) -> jnp.dtype:
+  """The dtype of a role's codes in a format: uint8, float8_e4m3fn or int4."""
+  return jnp.dtype(_CODE_DTYPES[codec(role, fmt)])
 
 
 def format_of(q: Blockwise) -> str:
@@ -408,12 +419,6 @@ def _from_block_rows(rows, like):
     flat = _reshape(rows, (rows.size,), _sharding(rows, 0))
     return _reshape(flat[:size], like.shape, _sharding(like))
   return _reshape(rows, like.shape, _sharding(like))
-
-
-_CODE_DTYPES = {
-    "dynamic": jnp.uint8, "root": jnp.uint8, "e4m3": jnp.float8_e4m3fn,
-    "linear4": jnp.int4, "root4": jnp.int4,
-}
 
 
 def quantize(

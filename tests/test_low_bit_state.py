@@ -232,9 +232,10 @@ def test_blockwise_and_stochastic_kernels_lower(platform, shape, dtype, fmt):
 def _abstract_moments(shape, fmt):
   """Abstract Lion momentum and AdamW (m, v) of ``fmt`` for a leaf of ``shape``."""
   scales = sds(quant.scales_shape(shape))
-  codes = sds(shape, jnp.float8_e4m3fn if fmt == "fp8" else jnp.uint8)
-  signed = (Fp8Blockwise if fmt == "fp8" else Int8Blockwise)(codes, scales)
-  return signed, (RatioBlockwise(codes, scales), RootBlockwise(sds(shape, jnp.uint8), scales))
+  codes = lambda role: sds(shape, quant.code_dtype(role, fmt))
+  signed = (Fp8Blockwise if fmt == "fp8" else Int8Blockwise)(codes(quant.SIGNED), scales)
+  return signed, (RatioBlockwise(codes(quant.RATIO), scales),
+                  RootBlockwise(codes(quant.ROOT), scales))
 
 
 def test_auto_runs_the_triton_kernel_for_8_bit_moments_on_cuda():

@@ -208,6 +208,17 @@ def test_fp8_blockwise_error_is_within_e4m3_rounding(shape, seed, log_scale):
 _LEAST_ROOT = 2.0**-15 / (31 / 16)  # the root map's least value
 
 
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_code_dtype_is_the_dtype_quantize_stores(fmt):
+  x = jnp.linspace(0.1, 2.0, 512).reshape(2, 256)
+  for role in quant.ROLES:
+    root = jnp.sqrt(x) if role == quant.RATIO else None
+    q = quant.quantize(x, role=role, fmt=fmt, root=root)
+    assert q.codes.dtype == quant.code_dtype(role, fmt), (role, fmt)
+  with pytest.raises(ValueError, match="fmt must be one of"):
+    quant.code_dtype(quant.SIGNED, "int2")
+
+
 def test_root_map_is_a_zero_free_unsigned_4_4_float():
   got = codecs.root_map_values()
   want = np.sort([np.float32(2.0 ** (e - 15) * (1 + f / 16)) * np.float32(16 / 31)
