@@ -8,8 +8,8 @@ W_down``, width 1024, 32 layers, f32 params) on 8 devices, the 4 stages times
 2 devices per stage, in two ways: the 2 devices as a data axis (each holds its
 stage's whole params and state) and as an FSDP axis (``fsdp_axis``: each
 holds half). It does so for a TPU v5e 2x4 (compile-only, from this host: the
-``aot`` extra) and for this host's CPU as 8 devices, with AdamW and Muon,
-and prints per device what the compiled program holds and moves: peak
+``aot`` extra) and for this host's CPU as 8 devices, with AdamW (f32 and
+int8 state) and Muon, and prints per device what the compiled program holds and moves: peak
 memory (``memory_analysis()``: arguments + outputs - aliased + temporaries),
 the collectives one step runs and the bytes of their operands (counted from
 the step's jaxpr, each scan's body times its length, at most: the compiled
@@ -26,7 +26,9 @@ from bench import fake_cpu_devices
 
 DEVICES = 8
 STAGES, MICROBATCHES, REPEATS, WIDTH, MICROBATCH = 4, 8, 8, 1024, 16
-OPTIMIZERS = ("adamw", "muon")
+# (optimizer, state format): f32 AdamW, AdamW with int8 state (its kernels on
+# each device's slices), Muon (whole layers split over the FSDP axis).
+CASES = (("adamw", None), ("adamw", "int8"), ("muon", None))
 
 
 def mlp_block(params, x):
@@ -45,7 +47,7 @@ def _mse(outputs, targets):
 
 
 def build_step(devices, *, fsdp: bool, optimizer: str = "adamw", impl: str = "auto",
-               repeats: int = REPEATS):
+               repeats: int = REPEATS, state_format: str | None = None):
   """The step on ``devices`` (8: 4 stages x 2), the 2 as an FSDP or a data axis, and its arguments.
 
   The arguments are `jax.ShapeDtypeStruct`s placed as the step places them.
@@ -61,7 +63,8 @@ def build_step(devices, *, fsdp: bool, optimizer: str = "adamw", impl: str = "au
   schedule = CircularSchedule(STAGES, MICROBATCHES, repeats)
   axis = "fsdp" if fsdp else "data"
   mesh = Mesh(np.asarray(devices).reshape(STAGES, DEVICES // STAGES), ("stage", axis))
-  config = AdamWConfig() if optimizer == "adamw" else MuonConfig()
+  config = (AdamWConfig(state_format=state_format) if optimizer == "adamw"
+            else MuonConfig(state_format=state_format))
   tx, _ = OptimizerFactory.create(optimizer, SchedulerConfig(learning_rate=1e-3), config,
                                   clip_grad=1.0, weight_decay=0.1, impl=impl,
                                   stacked_axes=schedule.stacked_axes)
@@ -167,12 +170,14 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   rows = {}
   for target, devices in targets().items():
-    for optimizer in OPTIMIZERS:
-      pair = {f"fsdp={fsdp}": measure(devices, fsdp=fsdp, optimizer=optimizer)
+    for optimizer, state_format in CASES:
+      pair = {f"fsdp={fsdp}": measure(devices, fsdp=fsdp, optimizer=optimizer,
+                                      state_format=state_format)
               for fsdp in (False, True)}
       pair["peak_ratio"] = pair["fsdp=True"]["peak_bytes"] / pair["fsdp=False"]["peak_bytes"]
-      rows[f"{target}, {optimizer}"] = pair
-      print(f"{target}, {optimizer} (compiled; nothing timed):")
+      case = optimizer + (f" {state_format}" if state_format else "")
+      rows[f"{target}, {case}"] = pair
+      print(f"{target}, {case} (compiled; nothing timed):")
       for case in ("fsdp=False", "fsdp=True"):
         r = pair[case]
         moved = {k: f"{v / 2**20:.1f} MiB" for k, v in r["collective_operand_bytes"].items()}

@@ -27,18 +27,22 @@ def test_fsdp_pipeline_on_a_v5e_2x4_halves_what_a_device_holds():
 
 
 @pytest.mark.long_compile(minutes=1)
-def test_fsdp_pipeline_runs_the_kernels_on_each_devices_slices():
+@pytest.mark.parametrize("impl,state_format", [("pallas", None), ("auto", "int8")])
+def test_fsdp_pipeline_runs_the_kernels_on_each_devices_slices(impl, state_format):
   aot_targets.require("v5e")
   compiled = pipeline_fsdp.compile_step(aot_targets.devices("v5e", "2x4"), fsdp=True,
-                                        impl="pallas")
+                                        impl=impl, state_format=state_format)
   assert sum(aot_targets.compiled_kernels(compiled).values()) >= 1
   text = compiled.as_text()
   # The kernels take this device's slices: a stage's 8 repeats of half of
-  # each matrix (the norm scales whole), never a whole matrix.
+  # each matrix (the norm scales whole), never a whole matrix; int8 codes
+  # likewise (their rows of whole 256-blocks split, with their scales).
   width, repeats = pipeline_fsdp.WIDTH, pipeline_fsdp.REPEATS
   kernels = [line.split(" custom-call(")[0] for line in text.splitlines()
              if 'custom_call_target="tpu_custom_call"' in line]
   squeezed = lambda dims: tuple(int(n) for n in dims.split(",") if n != "1")
-  operands = {squeezed(dims) for line in kernels for dims in re.findall(r"f32\[([\d,]+)\]", line)}
+  operands = {squeezed(dims) for line in kernels
+              for dims in re.findall(r"(?:f32|u8)\[([\d,]+)\]", line)}
   halves = {(repeats, width // 2, 4 * width), (repeats, 2 * width, width)}
-  assert operands & halves and operands <= halves | {(repeats, width)}, operands
+  scales = {(repeats, 4 * width // 256, width // 2), (repeats, width // 256, 2 * width)}
+  assert operands & halves and operands <= halves | scales | {(repeats, width)}, operands
