@@ -142,7 +142,8 @@ def measure(devices, **options) -> dict:
   compiled = step.lower(*args).compile()
   memory = compiled.memory_analysis()
   runs, moved = {}, {}
-  for (name, shape, dtype), (_, most) in collective_runs(jax.make_jaxpr(step._step)(*args).jaxpr).items():
+  jaxpr = jax.make_jaxpr(step._step)(*args).jaxpr
+  for (name, shape, dtype), (_, most) in collective_runs(jaxpr).items():
     runs[name] = runs.get(name, 0) + most
     moved[name] = moved.get(name, 0) + most * int(np.prod(shape)) * np.dtype(dtype).itemsize
   return {"peak_bytes": peak_bytes(compiled), "argument_bytes": memory.argument_size_in_bytes,

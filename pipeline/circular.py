@@ -280,7 +280,7 @@ class _Fsdp(NamedTuple):
 
 
 def _gather_repeat(fsdp: _Fsdp, params: PyTree, repeat) -> PyTree:
-  """This stage's weights of one repeat (an int or a traced index), whole: the FSDP slices all-gathered."""
+  """This stage's weights of one repeat (an int or a traced index), the FSDP slices all-gathered."""
   def gather(p, dim):
     x = lax.dynamic_index_in_dim(p[:, 0], repeat, 0, keepdims=False)
     return x if dim is None else lax.all_gather(x, fsdp.axis, axis=dim - 2, tiled=True)

@@ -113,7 +113,7 @@ class PipelineTrainStep:
     return fsdp_dims(params, self.schedule, size, min_size=self.fsdp_min_size)
 
   def param_specs(self, params: PyTree) -> PyTree:
-    """``PartitionSpec(None, stage_axis)`` for every stacked leaf, plus ``fsdp_axis`` on its split dim."""
+    """``PartitionSpec(None, stage_axis)`` per stacked leaf, and ``fsdp_axis`` on its split dim."""
     check_stacked(params, self.schedule, "params")
     return stage_specs(params, stage_axis=self.stage_axis, fsdp_axis=self.fsdp_axis,
                        fsdp=self.fsdp_dims(params))
