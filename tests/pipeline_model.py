@@ -53,3 +53,11 @@ def reference_step(tx, inputs, targets):
     return optax.apply_updates(params, updates), state, loss, optax.tree.norm(grads)
 
   return step
+
+
+def placed(step, layers, inputs, targets):
+  """``(params, opt_state, (inputs, targets))`` of `layers` placed as a pipeline train step wants."""
+  from pallasopt.pipeline.layout import layers_to_stages
+
+  params = step.shard_params(layers_to_stages(layers, step.schedule))
+  return params, step.init(params), step.shard_batch(inputs, targets)

@@ -26,9 +26,9 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from pipeline_model import layer, make_batch, make_layers, mse, reference_step  # noqa: E402
+from pipeline_model import layer, make_batch, make_layers, mse, placed, reference_step  # noqa: E402
 from pallasopt.optim.eformer import AdamWConfig, OptimizerFactory, SchedulerConfig  # noqa: E402
-from pallasopt.pipeline.layout import layers_to_stages, stages_to_layers  # noqa: E402
+from pallasopt.pipeline.layout import stages_to_layers  # noqa: E402
 from pallasopt.pipeline.schedule import CircularSchedule  # noqa: E402
 from pallasopt.pipeline.sharding import barrier_sync  # noqa: E402
 from pallasopt.pipeline.train import make_train_step  # noqa: E402
@@ -46,16 +46,10 @@ step = make_train_step(layer, mse, make(schedule.stacked_axes), mesh=mesh, sched
                        data_axis="data")
 layers = make_layers(schedule.num_layers)
 inputs, targets = make_batch(schedule.num_microbatches)
-params = step.shard_params(layers_to_stages(layers, schedule))
-opt_state = step.init(params)
-batch = step.shard_batch(inputs, targets)
+params, opt_state, batch = placed(step, layers, inputs, targets)
 
 ref_tx = make(1)
-
-
 ref_step = reference_step(ref_tx, inputs, targets)
-
-
 ref_params, ref_state = layers, ref_tx.init(layers)
 for i in range(3):
   params, opt_state, metrics = step(params, opt_state, *batch)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from bench.pipeline_fsdp import collective_runs
 from helpers import assert_close, assert_trees_close
-from pipeline_model import layer, make_batch, make_layers, mse, reference_step, sequential
+from pipeline_model import layer, make_batch, make_layers, mse, placed, reference_step, sequential
 from pallasopt.optim.eformer import AdamWConfig, MuonConfig, OptimizerFactory, SchedulerConfig
 from pallasopt.pipeline.circular import circular_pipeline, io_specs, scan_layers
 from pallasopt.pipeline.layout import fsdp_dims, layers_to_stages, stage_shardings, stages_to_layers
@@ -142,9 +142,7 @@ def test_two_steps_equal_the_unpipelined_model_with_and_without_fsdp(name):
   results = []
   for fsdp in (False, True):
     step, _, layers, inputs, targets = build(name, fsdp)
-    params = step.shard_params(layers_to_stages(layers, SCHEDULE))
-    opt_state = step.init(params)
-    batch = step.shard_batch(inputs, targets)
+    params, opt_state, batch = placed(step, layers, inputs, targets)
     for _ in range(2):
       params, opt_state, metrics = step(params, opt_state, *batch)
     results.append((stages_to_layers(params, SCHEDULE), metrics))
@@ -174,9 +172,7 @@ def test_a_data_axis_beside_the_fsdp_axis_trains_as_the_unpipelined_model(name):
                          data_axis="data", fsdp_axis="fsdp", fsdp_min_size=64)
   layers = make_layers(schedule.num_layers)
   inputs, targets = make_batch(schedule.num_microbatches, microbatch=8)
-  params = step.shard_params(layers_to_stages(layers, schedule))
-  opt_state = step.init(params)
-  batch = step.shard_batch(inputs, targets)
+  params, opt_state, batch = placed(step, layers, inputs, targets)
   ref_tx = make(1)
   ref_step = reference_step(ref_tx, inputs, targets)
   ref_params, ref_state = layers, ref_tx.init(layers)
@@ -215,9 +211,7 @@ def test_each_repeat_is_gathered_once_each_way_and_reduce_scattered(repeats, reg
   schedule = CircularSchedule(num_stages=4, num_microbatches=8, num_repeats=repeats)
   step, tx, layers, inputs, targets = build(
       "adamw", fsdp=True, schedule=schedule, fsdp_regather=regather)
-  params = step.shard_params(layers_to_stages(layers, schedule))
-  opt_state = step.init(params)
-  batch = step.shard_batch(inputs, targets)
+  params, opt_state, batch = placed(step, layers, inputs, targets)
   jaxpr = jax.make_jaxpr(step._step)(params, opt_state, *batch).jaxpr
   runs = {(name, shape): n for (name, shape, _), n in collective_runs(jaxpr).items()}
   half, whole = (HIDDEN // 2, HIDDEN), (HIDDEN, HIDDEN)

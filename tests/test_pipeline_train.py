@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh
 
 from helpers import assert_close
-from pipeline_model import layer, make_batch, make_layers, mse, reference_step
+from pipeline_model import layer, make_batch, make_layers, mse, placed, reference_step
 from pallasopt.optim.eformer import (
     AdafactorConfig,
     AdamWConfig,
@@ -74,9 +74,7 @@ def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1,
   ref_tx, _ = OptimizerFactory.create(name, SCHEDULER, config, stacked_axes=1, clip_grad=clip,
                                       **kwargs)
   ref_step, ref_state = reference_step(ref_tx, inputs, targets), ref_tx.init(layers)
-  params = step.shard_params(layers_to_stages(layers, schedule))
-  opt_state = step.init(params)
-  sharded_inputs, sharded_targets = step.shard_batch(inputs, targets)
+  params, opt_state, (sharded_inputs, sharded_targets) = placed(step, layers, inputs, targets)
   ref_params, clipped = layers, False
   for i in range(STEPS):
     old = jax.tree.leaves(params)[0]
