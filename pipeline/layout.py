@@ -154,14 +154,14 @@ def stage_specs(stacked: PyTree, *, stage_axis: str = STAGE_AXIS, fsdp_axis: str
           " least the dims (R, S)."
       )
 
-  def spec(leaf, dim):
+  def spec(dim):
     if fsdp_axis is None or dim is None:
       return PartitionSpec(None, stage_axis)
     return PartitionSpec(None, stage_axis, *[None] * (dim - 2), fsdp_axis)
 
   leaves, treedef = jax.tree.flatten(stacked)
   dims = [None] * len(leaves) if fsdp is None else treedef.flatten_up_to(fsdp)
-  return treedef.unflatten([spec(leaf, dim) for leaf, dim in zip(leaves, dims)])
+  return treedef.unflatten([spec(dim) for dim in dims])
 
 
 def stage_shardings(mesh: Mesh, stacked: PyTree, *, stage_axis: str = STAGE_AXIS,
