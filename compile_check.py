@@ -20,7 +20,8 @@ as a program (set it yourself before importing JAX to use `compile_for`).
 
 Targets (`TARGETS`): TPU v4, v5e, v5p, v6e and tpu7x as libtpu topologies,
 and the NVIDIA H100, A100 and B200 from their published device facts (the
-`GpuTargetConfigProto` fields a deviceless compile needs, `_GPU_FACTS`).
+`GpuTargetConfigProto` fields a deviceless compile needs): one chip table,
+`pallasopt.chips`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from pallasopt import chips
 from pallasopt.compiled_traffic import (
     COMPILED_CALLS,
     INSTRUCTION,
@@ -53,7 +55,6 @@ from pallasopt.compiled_traffic import (
 
 __all__ = [
     "TARGETS",
-    "GpuFacts",
     "missing",
     "devices",
     "on_device",
@@ -71,47 +72,18 @@ __all__ = [
 ]
 
 
-class GpuFacts(NamedTuple):
-  """The device facts of an NVIDIA chip that XLA needs to compile for it."""
-
-  description: str
-  compute_capability: tuple[int, int]
-  shared_memory_per_block_optin: int
-  shared_memory_per_core: int
-  core_count: int
-  fpus_per_core: int
-  memory_bandwidth: int
-  l2_cache_size: int
-  clock_rate_ghz: float
-  device_memory_size: int
-  dnn_version: tuple[int, int, int]
-
-
-# NVIDIA's published figures (SXM parts).
-_GPU_FACTS = {
-    "h100": GpuFacts("NVIDIA H100 80GB HBM3", (9, 0), 232448, 233472, 132, 128,
-                     3_352_320_000_000, 52_428_800, 1.98, 84_942_979_072, (9, 3, 0)),
-    "a100": GpuFacts("NVIDIA A100-SXM4-80GB", (8, 0), 166912, 167936, 108, 64,
-                     2_039_000_000_000, 41_943_040, 1.41, 85_095_874_560, (9, 3, 0)),
-    "b200": GpuFacts("NVIDIA B200", (10, 0), 232448, 233472, 148, 128,
-                     8_000_000_000_000, 132_120_576, 1.965, 191_514_492_928, (9, 8, 0)),
-}
-# Target -> its platform and libtpu topology (TPUs) or device facts (GPUs).
+# Target -> its platform and libtpu topology (TPUs) or None (GPUs: their
+# device facts, `chips.CHIPS`).
 TARGETS: dict[str, tuple[str, str | None]] = {
-    "h100": ("cuda", None),
-    "a100": ("cuda", None),
-    "b200": ("cuda", None),
-    "v4": ("tpu", "v4:2x2x1"),
-    "v5e": ("tpu", "v5e:2x2"),
-    "v5p": ("tpu", "v5p:2x2x1"),
-    "v6e": ("tpu", "v6e:2x2"),
-    "tpu7x": ("tpu", "tpu7x:2x2x1"),
+    name: (chip.platform, chip.topology) for name, chip in chips.CHIPS.items()
 }
+
 
 def gpu_target_config(target: str) -> str:
   """The `GpuTargetConfigProto` of an NVIDIA target, in text form."""
-  f = _GPU_FACTS[target]
-  major, minor = f.compute_capability
+  chip = chips.CHIPS[target]
+  f = chip.gpu
+  major, minor = chip.compute_capability
   dnn = dict(zip(("major", "minor", "patch"), f.dnn_version))
   return "\n".join([
       "gpu_device_info {",
@@ -136,7 +108,7 @@ def gpu_target_config(target: str) -> str:
       "}",
       'platform_name: "CUDA"',
       "dnn_version_info { " + " ".join(f"{k}: {v}" for k, v in dnn.items()) + " }",
-      f'device_description_str: "{f.description}"',
+      f'device_description_str: "{chip.device_kind}"',
   ]) + "\n"
 
 

@@ -35,6 +35,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from bench import harness, workloads
+from pallasopt.kernels import policy
 from pallasopt.kernels.newton_schulz import ns_flops
 from pallasopt.optim.muon import muon
 
@@ -85,7 +86,7 @@ def case(workload: workloads.Workload, iter_dtype=None, gram_levels=None) -> har
       ),
       metric="compute",
       compute_dtype=compute_dtype,  # the Newton-Schulz iterates' dtype
-      auto_on_cuda="xla",
+      auto_on_cuda=policy.CUDA_AUTO[policy.NEWTON_SCHULZ].choice,
       cuda_kernel="mosaic-gpu" if compute_dtype == "bfloat16" else None,
   )
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 
 from bench import harness, workloads
-from pallasopt.kernels import quant
+from pallasopt.kernels import policy, quant
 from pallasopt.kernels._elementwise import bytes_moved
 from pallasopt.kernels._update import updates_dtype
 from pallasopt.optim import convert_state
@@ -197,8 +197,8 @@ class ElementwiseFamily:
         family=self.name, workload=workload.name, label=label, params=workload.params,
         leaves=workload.leaves, inputs=inputs_for(workload.tree), impls=impls,
         bytes=self.low_bit_bytes(ours_tree, state_format),
-        # kernels._update.cuda_auto: Triton for 8-bit moments, else XLA.
-        auto_on_cuda="pallas" if state_format in quant.FORMATS else "xla",
+        auto_on_cuda=policy.CUDA_AUTO[
+            policy.BLOCKWISE_UPDATE if state_format in quant.FORMATS else policy.UPDATE].choice,
     )
 
   def case(self, workload: workloads.Workload, mu_dtype=None) -> harness.Case:
@@ -216,7 +216,7 @@ class ElementwiseFamily:
         pallasopt_tx=lambda impl: self.pallasopt_factory(**kwargs, impl=impl),
         bytes=self.fused_bytes(workload.tree, mu),
         update_bytes=self.update_bytes(workload.tree, decays, mu),
-        auto_on_cuda="xla",  # kernels._update.cuda_auto for f32/bf16 moments
+        auto_on_cuda=policy.CUDA_AUTO[policy.UPDATE].choice,
         baseline=self.baseline,
     )
 

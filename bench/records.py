@@ -30,13 +30,12 @@ import jax
 import numpy as np
 import optax
 
+from pallasopt.chips import Peaks, datasheet_peaks
+
 __all__ = [
     "SCHEMA",
     "RESULTS_DIR",
-    "Peaks",
-    "DATASHEET",
     "Environment",
-    "datasheet_peaks",
     "environment",
     "load_records",
     "append_record",
@@ -57,57 +56,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------
-# Device limits.
-
-
-@dataclasses.dataclass(frozen=True)
-class Peaks:
-  """Datasheet peaks of one device: memory bandwidth and dense bf16 matmul."""
-
-  name: str
-  gbps: float
-  bf16_tflops: float
-  source: str
-
-
-# Published datasheet numbers (dense bf16, no sparsity), matched against
-# `jax.Device.device_kind` in order (first match wins):
-# - NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): SXM 4.8 TB/s,
-#   989 TFLOP/s; NVL 4.8 TB/s, 835 TFLOP/s.
-# - NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): SXM 3.35 TB/s,
-#   989 TFLOP/s; PCIe 2.0 TB/s, 756 TFLOP/s; NVL 3.9 TB/s, 835 TFLOP/s.
-# - NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): 312 TFLOP/s;
-#   80GB SXM 2039 GB/s, 80GB PCIe 1935 GB/s, 40GB 1555 GB/s.
-# - Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e,
-#   v5p, v6e): v4 1200 GB/s, 275 TFLOP/s; v5e 819 GB/s, 197 TFLOP/s;
-#   v5p 2765 GB/s, 459 TFLOP/s; v6e 1638 GB/s, 918 TFLOP/s.
-DATASHEET: tuple[tuple[str, Peaks], ...] = (
-    (r"h200.*nvl", Peaks("NVIDIA H200 NVL", 4800, 835, "NVIDIA H200 datasheet")),
-    (r"h200", Peaks("NVIDIA H200 SXM", 4800, 989, "NVIDIA H200 datasheet")),
-    (r"h100.*pcie", Peaks("NVIDIA H100 PCIe", 2000, 756, "NVIDIA H100 datasheet")),
-    (r"h100.*nvl", Peaks("NVIDIA H100 NVL", 3900, 835, "NVIDIA H100 datasheet")),
-    (r"h100", Peaks("NVIDIA H100 SXM", 3350, 989, "NVIDIA H100 datasheet")),
-    (r"a100.*80gb.*pcie|a100.*pcie.*80gb", Peaks("NVIDIA A100 80GB PCIe", 1935, 312, "NVIDIA A100 datasheet")),
-    (r"a100.*80gb", Peaks("NVIDIA A100 80GB SXM", 2039, 312, "NVIDIA A100 datasheet")),
-    (r"a100", Peaks("NVIDIA A100 40GB", 1555, 312, "NVIDIA A100 datasheet")),
-    (r"v6 ?lite|v6e", Peaks("TPU v6e", 1638, 918, "cloud.google.com/tpu/docs/v6e")),
-    (r"v5 ?lite|v5e", Peaks("TPU v5e", 819, 197, "cloud.google.com/tpu/docs/v5e")),
-    (r"v5p|tpu v5$", Peaks("TPU v5p", 2765, 459, "cloud.google.com/tpu/docs/v5p")),
-    (r"tpu v4", Peaks("TPU v4", 1200, 275, "cloud.google.com/tpu/docs/v4")),
-)
-
-
-def datasheet_peaks(device_kind: str) -> Peaks | None:
-  """The datasheet peaks for a `device_kind` string, or None if unknown."""
-  kind = device_kind.lower().strip()
-  for pattern, peaks in DATASHEET:
-    if re.search(pattern, kind):
-      return peaks
-  return None
-
-
-# ---------------------------------------------------------------------------
-# Environment and provenance.
+# Environment and provenance. The devices' datasheet peaks are
+# `pallasopt.chips.DATASHEET`.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ buffer far larger than any cache, counting bytes read + written), for compute
 rows a dense square matmul in the case's `Case.compute_dtype` (an f32 case is
 never compared with a bf16 matmul, whose speed differs by a large factor, and
 on a CPU, where bf16 is emulated, the other way round). It also looks up the
-datasheet peaks of the device (`DATASHEET`); those give dense bf16 matmul
+datasheet peaks of the device (`pallasopt.chips.DATASHEET`); those give dense bf16 matmul
 only, so "% peak" of a compute row is shown for bf16 cases only.
 """
 

@@ -22,8 +22,11 @@ dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
 * `pallasopt.kernels.kron` and `pallasopt.kernels.kron_factor`: PSGD Kron
   preconditioner application and factor update;
 * `pallasopt.kernels.quant`: low-precision state shared by every family:
-  8-bit blockwise codes (dynamic tree maps), counter-hash random bits and
-  stochastic rounding to bfloat16.
+  8-bit and 4-bit blockwise codes (`codecs`), hashed random bits and
+  stochastic rounding (`rounding`).
+
+What ``impl="auto"`` runs on each target is one table per platform,
+`pallasopt.kernels.policy`; `pallasopt.kernels._dispatch` applies it.
 """
 
 from pallasopt.kernels import (
@@ -35,6 +38,7 @@ from pallasopt.kernels import (
     lion,
     mars,
     newton_schulz,
+    policy,
     quant,
     rmsprop,
 )
@@ -85,6 +89,7 @@ __all__ = [
     "lion",
     "mars",
     "newton_schulz",
+    "policy",
     "quant",
     "rmsprop",
     # AdamW.

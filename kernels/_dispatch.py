@@ -4,14 +4,13 @@ Every kernel family exposes a pure-jnp reference and a Pallas kernel with the
 same signature. `dispatch` turns the pair into the one function to call, from
 an ``impl`` string:
 
-* ``"auto"``: the best measured path of the *chip the call is compiled for*:
-  on TPU the Mosaic kernel, or the reference for operands on which a
-  family's kernel moves more bytes than XLA (``auto_on_tpu``); on CUDA GPUs
-  the Triton kernel, or the reference for a family whose Triton kernel was
-  measured slower than XLA there
-  (``auto_on_cuda="xla"``, said in that family's docstring) or that the chip
-  cannot run (``cuda_requirement``, e.g. fp8 conversions below sm_89); the
-  reference on CPUs and anything else.
+* ``"auto"``: the best measured path of the *chip the call is compiled for*,
+  as the family's row of `pallasopt.kernels.policy` says for that platform
+  (the one place the measured rules live: on TPU the Mosaic kernel where it
+  moves fewer bytes than XLA in a train step, on CUDA GPUs the Triton kernel
+  where XLA was not faster), unless the chip cannot run the kernel
+  (``cuda_requirement``, e.g. fp8 conversions below sm_89); the reference on
+  CPUs and anything else.
 * ``"pallas"``: the Mosaic TPU kernel on TPU, the GPU kernel on GPUs (Triton,
   or Mosaic GPU for Newton–Schulz; kernels receive ``backend="triton"`` for
   either); a clear ValueError, raised when the call is lowered, on a platform
@@ -34,10 +33,10 @@ for a platform with no device of it in the lowering assumes the oldest chip
 of the platform the kernels support (`_target.BASELINE_DEVICE_KIND`); name
 the chip with ``jax.sharding.use_abstract_mesh`` (see the README).
 
-Sharded operands. A ``pallas_call`` is never partitioned by XLA, so a
-family marked ``elementwise`` (every element updated on its own) runs per
-shard inside `shard_map`, with the layout its operands arrive with, in every
-way a step is sharded:
+Sharded operands (`pallasopt.kernels._per_shard`). A ``pallas_call`` is never
+partitioned by XLA, so a family marked ``elementwise`` (every element updated
+on its own) runs per shard inside `shard_map`, with the layout its operands
+arrive with, in every way a step is sharded:
 
 * Explicit mesh axes (``jax.set_mesh``, or arrays whose types carry an
   Explicit sharding with no mesh in context): the operands' types say the
@@ -72,18 +71,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, Protocol
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
-from pallasopt.kernels import _compat, quant
+from pallasopt.kernels import policy, quant
 from pallasopt.kernels._by_target import by_target, by_target_operands, callable_name
-from pallasopt.kernels._target import BASELINE_DEVICE_KIND, Target, local_shape
+from pallasopt.kernels._per_shard import mesh_aware, per_shard_lowering
+from pallasopt.kernels._target import Target
 
 __all__ = [
     "Impl",
@@ -204,22 +201,21 @@ def kernel_backend(
     impl: str,
     family: str,
     *,
-    auto_on_cuda: Literal["pallas", "xla"] = "pallas",
-    auto_on_tpu: Literal["pallas", "xla"] = "pallas",
+    auto: policy.Choice = "pallas",
     cuda_requirement: CudaRequirement | None = None,
 ) -> str | None:
   """The Pallas backend a family's kernel runs with on ``target``, or None for the reference.
 
-  The dispatch policy in one place (module docstring); raises the ValueError
-  for an ``impl="pallas"`` that ``target`` cannot take.
+  Applies what a chip can run and where a kernel can be placed to the
+  policy's choice; raises the ValueError for an ``impl="pallas"`` that
+  ``target`` cannot take.
 
   Args:
     target: the lowering's platform and chip.
     impl: ``"auto"`` or ``"pallas"``.
     family: the kernel's name, for messages.
-    auto_on_cuda: see `dispatch`.
-    auto_on_tpu: what ``"auto"`` runs on this call's operands on a TPU (see
-      `dispatch`).
+    auto: what `policy.auto_choice` says ``"auto"`` runs on this target and
+      call: ``"pallas"`` or ``"xla"``.
     cuda_requirement: see `dispatch`.
   """
   if target.partitioned:
@@ -234,7 +230,7 @@ def kernel_backend(
         "jax.shard_map; impl='auto' runs the XLA reference there."
     )
   if target.platform == "tpu":
-    return "tpu" if impl == "pallas" or auto_on_tpu == "pallas" else None
+    return "tpu" if impl == "pallas" or auto == "pallas" else None
   if target.platform in ("cuda", "rocm"):
     why_not = (
         cuda_requirement.why_not(target)
@@ -247,7 +243,7 @@ def kernel_backend(
             "Use impl='auto' (the XLA reference on this chip) or impl='xla'."
         )
       return "triton"
-    if target.platform == "cuda" and auto_on_cuda == "pallas" and why_not is None:
+    if target.platform == "cuda" and auto == "pallas" and why_not is None:
       return "triton"
     return None
   if impl == "auto":
@@ -259,238 +255,14 @@ def kernel_backend(
   )
 
 
-# ---- Kernels under a mesh whose axes are not all manual. ----
-
-
-def _non_manual_mesh(args) -> tuple[object | None, bool]:
-  """The mesh a call runs under, if not all its axes are manual, and whether it is in context.
-
-  The mesh in context (``jax.set_mesh``), else the mesh of the first operand
-  whose type carries an Explicit sharding (arrays sharded over Explicit axes
-  with no mesh in context), else None.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty:
-    return (None if mesh.are_all_axes_manual else mesh), True
-  for x in jax.tree.leaves(args):
-    if _compat.explicit_spec(x) is not None and _layouts_known(jax.typeof(x).sharding.mesh):
-      return jax.typeof(x).sharding.mesh, False
-  return None, False
-
-
-def _local_aval(x, spec: PartitionSpec, mesh) -> jax.ShapeDtypeStruct:
-  """The type of ``x``'s local shard when split as ``spec``."""
-  return jax.ShapeDtypeStruct(local_shape(jnp.shape(x), spec, mesh), jnp.result_type(x))
-
-
-class _ShardPlan(NamedTuple):
-  """How an update on one leaf splits over a mesh (`_shard_plan`)."""
-
-  leaf: PartitionSpec  # arrays of the leaf's shape
-  scales: PartitionSpec | None  # a blockwise moment's scales, where shards hold whole blocks
-  local_leaf: tuple[int, ...]
-
-  def spec(self, shape: tuple[int, ...], leaf: tuple[int, ...]) -> PartitionSpec | None:
-    """The split of an array of ``shape`` beside a leaf of shape ``leaf``, or None if none is exact."""
-    if not shape or all(axes is None for axes in self.leaf):
-      return PartitionSpec()
-    if shape == leaf:
-      return self.leaf
-    if self.scales is not None and shape == quant.scales_shape(leaf):
-      return self.scales
-    return None
-
-
-def _shard_plan(leaf: tuple[int, ...], layout: PartitionSpec, mesh) -> _ShardPlan:
-  """The split of every array of an update whose leaf (of shape ``leaf``) splits as ``layout``.
-
-  Arrays of the leaf's shape split like it and scalars are replicated; a
-  blockwise moment's scales (`quant.scales_shape` of a leaf whose rows hold
-  whole blocks) split like the rows and the blocks they scale, where every
-  shard holds whole blocks. Any other array has no exact split.
-  """
-  padded = (*layout, *(None,) * (len(leaf) - len(layout)))
-  scales = quant.scales_spec(leaf, layout, dict(mesh.shape), exact=True)
-  return _ShardPlan(PartitionSpec(*padded), scales, local_shape(leaf, layout, mesh))
-
-
-def _leaf_shape(arrays: Sequence[object]) -> tuple[int, ...]:
-  """The shape of the leaf an update runs on: its largest operand's."""
-  return max((tuple(jnp.shape(x)) for x in arrays), key=math.prod, default=())
-
-
-def _exact_split(
-    leaves: Sequence[object], layout: PartitionSpec, mesh
-) -> tuple[_ShardPlan, tuple[PartitionSpec, ...]] | None:
-  """The update's `_shard_plan` and each operand's split, when its leaf splits as ``layout``.
-
-  None if a shard would not compute what the whole leaf does.
-  """
-  leaf = _leaf_shape(leaves)
-  plan = _shard_plan(leaf, layout, mesh)
-  specs = tuple(plan.spec(tuple(jnp.shape(x)), leaf) for x in leaves)
-  return None if any(s is None for s in specs) else (plan, specs)
-
-
-def _out_spec(plan: _ShardPlan, shape: tuple[int, ...]) -> PartitionSpec:
-  spec = plan.spec(tuple(shape), plan.local_leaf)
-  if spec is None:
-    raise TypeError(
-        f"an elementwise kernel returned an array of local shape {shape}, neither its "
-        f"leaf's {plan.local_leaf} nor that leaf's block scales: it cannot run per shard."
-    )
-  return spec
-
-
-def _under_shard_map(fn, mesh, args: Sequence[object], layout: PartitionSpec | None):
-  """Runs ``fn(*args)`` in `shard_map` over ``mesh``'s non-manual axes.
-
-  ``layout``: how the update's leaf is split; every operand and output is
-  split to match (`_shard_plan`; the caller has checked with `_exact_split`
-  that the operands can be), so that an elementwise kernel runs on the local
-  shards. None: every operand is gathered and the outputs are replicated.
-  """
-  leaves, treedef = jax.tree.flatten(args)
-  local_fn = lambda *flat: fn(*jax.tree.unflatten(treedef, flat))
-  if layout is None:
-    in_specs, out_specs = tuple(PartitionSpec() for _ in leaves), PartitionSpec()
-  else:
-    plan, in_specs = _exact_split(leaves, layout, mesh)
-    local_leaves = [_local_aval(x, spec, mesh) for x, spec in zip(leaves, in_specs)]
-    out_specs = jax.tree.map(
-        lambda x: _out_spec(plan, x.shape), jax.eval_shape(local_fn, *local_leaves)
-    )
-  if _layouts_known(mesh):  # the operands' types must agree with the specs
-    leaves = [
-        jax.sharding.reshard(x, spec)
-        if jnp.ndim(x) > 0 and (_compat.explicit_spec(x) or PartitionSpec()) != spec else x
-        for x, spec in zip(leaves, in_specs)
-    ]
-  axes = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes)
-  mapped = _compat.shard_map(
-      local_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axes,
-      check_vma=False,
-  )
-  return mapped(*leaves)
-
-
-def _layouts_known(mesh) -> bool:
-  """Whether the operands' types carry their layout over ``mesh``'s free axes."""
-  return all(
-      t == jax.sharding.AxisType.Explicit
-      for name, t in zip(mesh.axis_names, mesh.axis_types)
-      if name not in mesh.manual_axes
-  )
-
-
-def _typed_layout(args) -> PartitionSpec:
-  """The layout of the update's leaf as the operands' types carry it (Explicit axes).
-
-  The first operand of the leaf's shape sharded over Explicit axes;
-  replicated if none is.
-  """
-  leaves = jax.tree.leaves(args)
-  leaf = _leaf_shape(leaves)
-  specs = (_compat.explicit_spec(x) for x in leaves if tuple(jnp.shape(x)) == leaf)
-  return next((s for s in specs if s is not None), PartitionSpec())
-
-
-def _lowered_layout(target: Target, mesh, operands: Sequence[object]) -> PartitionSpec | None:
-  """The layout of the update's leaf, as the lowering shows it (`Target.layouts`).
-
-  The first split over ``mesh``'s axes, that divides the leaf, of an operand
-  of the leaf's shape; replicated if every one shown is; None if the
-  lowering shows none.
-  """
-  leaf = _leaf_shape(operands)
-  shown = [
-      layout.spec
-      for layout, x in zip(target.layouts, operands)
-      if layout is not None and tuple(jnp.shape(x)) == leaf and leaf and layout.fits(mesh, leaf)
-  ]
-  split = (s for s in shown if any(axes is not None for axes in s))
-  return next(split, PartitionSpec() if shown else None)
-
-
-def _lowering_mesh(target: Target):
-  """The mesh of a partitioned lowering: the one in context, else the one its operands name."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty:
-    return None if mesh.are_all_axes_manual else mesh
-  axes = next((layout.mesh_axes for layout in target.layouts if layout and layout.mesh_axes), None)
-  if axes is None:
-    return None
-  names, sizes = zip(*axes)
-  kind = target.device_kind or BASELINE_DEVICE_KIND.get(target.platform)
-  device = None if kind is None else jax.sharding.AbstractDevice(
-      device_kind=kind, num_cores=None, platform=target.platform
-  )
-  auto = (jax.sharding.AxisType.Auto,) * len(names)
-  return jax.sharding.AbstractMesh(sizes, names, axis_types=auto, abstract_device=device)
-
-
-def _per_shard_lowering(target: Target, operands, call, impl: str, runs_kernel):
-  """An elementwise ``call``, lowered where XLA partitions it, on local shards; or None.
-
-  XLA, not the operands' types, lays the operands out there (Auto mesh axes,
-  or shardings given to ``jax.jit`` only), so the layout is read from the
-  lowering (`Target.layouts`): where the operands are the jitted function's
-  arguments, ``call`` runs per shard in `shard_map` with their sharding.
-  Under ``"auto"`` only where ``runs_kernel(target, local shards)`` (else
-  XLA partitions the reference, as it is); where the lowering shows no
-  layout but the mesh is in context, a kernel ``impl`` runs on gathered
-  operands. None where neither is known.
-  """
-  mesh = _lowering_mesh(target)
-  if mesh is None:
-    return None
-  layout = _lowered_layout(target, mesh, operands)
-  split = None if layout is None else _exact_split(operands, layout, mesh)
-  if split is None:  # no layout shown, or none that splits exactly: gathered
-    if impl == "auto":
-      return None
-    layout = None
-  elif impl == "auto":
-    local = [_local_aval(x, spec, mesh) for x, spec in zip(operands, split[1])]
-    if not runs_kernel(dataclasses.replace(target, partitioned=False, layouts=()), local):
-      return None
-  return lambda *a, **k: _under_shard_map(lambda *x: call(*x, **k), mesh, a, layout)
-
-
-def _mesh_aware(call, reference, impl: str, elementwise: bool):
-  """``call`` made legal under a non-manual mesh (module docstring)."""
-
-  def run(*args, **kwargs):
-    mesh, in_context = _non_manual_mesh(args)
-    if mesh is None:
-      return call(*args, **kwargs)
-    if elementwise and not _layouts_known(mesh):
-      return call(*args, **kwargs)  # per shard as lowered (`_per_shard_lowering`)
-    layout = _typed_layout(args) if elementwise else None
-    if layout is not None and _exact_split(jax.tree.leaves(args), layout, mesh) is None:
-      layout = None  # no exact split (blocks cut in two)
-    if impl == "auto" and layout is None:
-      return reference(*args, **kwargs)
-    bound = lambda *a: call(*a, **kwargs)
-    if in_context:
-      return _under_shard_map(bound, mesh, args, layout)
-    with jax.sharding.use_abstract_mesh(mesh):
-      return _under_shard_map(bound, mesh, args, layout)
-
-  return run
-
-
 def dispatch(
     reference: Callable[..., object],
     kernel: KernelFn,
     impl: str = "auto",
     *,
-    auto_on_cuda: Literal["pallas", "xla"] = "pallas",
-    auto_on_tpu: (
-        Literal["pallas", "xla"]
-        | Callable[[Sequence[jax.Array], Target], Literal["pallas", "xla"]]
-    ) = "pallas",
+    family: str,
     cuda_requirement: CudaRequirement | None = None,
+    kernel_takes: bool = True,
     elementwise: bool = False,
     narrowable_args: Sequence[int] = (),
 ) -> Callable[..., object]:
@@ -501,16 +273,14 @@ def dispatch(
     kernel: the Pallas implementation; takes the reference's arguments plus
       keyword-only ``backend`` (``"tpu"`` or ``"triton"``) and ``interpret``.
     impl: see the module docstring.
-    auto_on_cuda: what ``"auto"`` runs on a CUDA GPU: the Triton kernel
-      (``"pallas"``) or the reference (``"xla"``), for a family whose Triton
-      kernel is slower than XLA there. ``impl="pallas"`` still runs Triton.
-    auto_on_tpu: what ``"auto"`` runs on a TPU, ``"pallas"`` or ``"xla"``
-      (for a family whose kernel moves more bytes than XLA there), or a
-      function of the call's array leaves (their local shards when the call
-      runs per shard) and the `Target` that says which (for a family whose
-      kernel pays only on some shapes, modes or TPU generations).
+    family: the family's row of the auto policy (`policy.FAMILIES`): what
+      ``"auto"`` runs on each target, read when the call is lowered with its
+      array leaves (their local shards when it runs per shard).
     cuda_requirement: what the GPU kernel needs of the chip; on a chip
       without it ``"auto"`` runs the reference and ``"pallas"`` raises.
+    kernel_takes: false where the kernel cannot take the call's operands
+      on any chip (blockwise state with a ragged last block): every ``impl``
+      then runs the reference, which computes the same values.
     elementwise: every output element depends only on the same element of
       the array operands, so the kernel may run per shard.
     narrowable_args: positional arguments the kernel reads in bfloat16 as
@@ -518,14 +288,12 @@ def dispatch(
       step converts them from bfloat16 (a bf16 matmul's weight gradient),
       the kernel reads the bfloat16 array.
   """
-  if auto_on_cuda not in ("pallas", "xla"):
-    raise ValueError(f"auto_on_cuda must be 'pallas' or 'xla'; got {auto_on_cuda!r}.")
-  if not callable(auto_on_tpu) and auto_on_tpu not in ("pallas", "xla"):
-    raise ValueError(f"auto_on_tpu must be 'pallas', 'xla' or a function; got {auto_on_tpu!r}.")
+  if family not in policy.FAMILIES:
+    raise ValueError(f"family must be one of {policy.FAMILIES}; got {family!r}.")
   impl = resolve_impl(impl)
-  if impl == "xla":
+  if impl == "xla" or not kernel_takes:
     return reference
-  family = callable_name(kernel).removesuffix("_kernel")
+  name = callable_name(kernel).removesuffix("_kernel")
   interpreted = functools.partial(kernel, backend="tpu", interpret=True)
 
   def call(*args, **kwargs):
@@ -537,16 +305,13 @@ def dispatch(
     operands = by_target_operands(args, kwargs)
 
     def backend_for(target: Target, arrays: Sequence[object]) -> str | None:
-      on_tpu = auto_on_tpu(arrays, target) if callable(auto_on_tpu) else auto_on_tpu
-      return kernel_backend(
-          target, impl, family, auto_on_cuda=auto_on_cuda, auto_on_tpu=on_tpu,
-          cuda_requirement=requirement,
-      )
+      auto = policy.auto_choice(family, arrays, target) if impl == "auto" else "pallas"
+      return kernel_backend(target, impl, name, auto=auto, cuda_requirement=requirement)
 
     def choose(target: Target):
       if target.partitioned and elementwise:
         runs_kernel = lambda t, arrays: backend_for(t, arrays) is not None
-        per_shard = _per_shard_lowering(target, operands, call, impl, runs_kernel)
+        per_shard = per_shard_lowering(target, operands, call, impl, runs_kernel)
         if per_shard is not None:
           return per_shard
       if impl == "interpret":
@@ -558,4 +323,4 @@ def dispatch(
 
     return by_target(reference, choose, narrowable_args=narrowable_args)(*args, **kwargs)
 
-  return _mesh_aware(call, reference, impl, elementwise)
+  return mesh_aware(call, reference, impl, elementwise)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import jax
 
+from pallasopt import chips
 from pallasopt.kernels import _compat
 
 __all__ = [
@@ -49,27 +50,12 @@ __all__ = [
     "platform_name",
 ]
 
-# The chips assumed when a lowering has no device of its platform: the oldest
-# of each family that the compile tier covers, so that an export carries only
-# kernels that every supported chip compiles (no fp8 Triton conversions, no
-# Hopper `wgmma`). JAX >= 0.11's Pallas lowerings read a device kind too.
+# The chips assumed when a lowering has no device of its platform
+# (`pallasopt.chips.BASELINE`). JAX >= 0.11's Pallas lowerings read a device
+# kind too.
 BASELINE_DEVICE_KIND: dict[str, str] = {
-    "tpu": "TPU v4",
-    "cuda": "NVIDIA A100-SXM4-80GB",
+    platform: chips.CHIPS[name].device_kind for platform, name in chips.BASELINE.items()
 }
-
-# Compute capabilities of the NVIDIA chips by the device kind they report, for
-# devices that carry no `compute_capability` (abstract devices). Most specific
-# names first: "A100" must not match "A10".
-_CUDA_CAPABILITIES: tuple[tuple[str, tuple[int, int]], ...] = (
-    ("GB300", (10, 3)), ("B300", (10, 3)),
-    ("GB200", (10, 0)), ("B200", (10, 0)), ("B100", (10, 0)),
-    ("GH200", (9, 0)), ("H200", (9, 0)), ("H100", (9, 0)), ("H800", (9, 0)),
-    ("L40", (8, 9)), ("L4", (8, 9)), ("RTX 40", (8, 9)),
-    ("A100", (8, 0)), ("A800", (8, 0)), ("A30", (8, 0)),
-    ("A40", (8, 6)), ("A10", (8, 6)), ("RTX 30", (8, 6)),
-    ("T4", (7, 5)), ("V100", (7, 0)),
-)
 
 
 def platform_name(platform: str) -> str:
@@ -83,10 +69,7 @@ def _capability(device, kind: str | None) -> tuple[int, int] | None:
   if isinstance(reported, str) and re.fullmatch(r"\d+\.\d+", reported):
     major, minor = reported.split(".")
     return int(major), int(minor)
-  for name, capability in _CUDA_CAPABILITIES:
-    if kind and name in kind:
-      return capability
-  return None
+  return chips.cuda_capability(kind)
 
 
 @dataclasses.dataclass(frozen=True)

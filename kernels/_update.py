@@ -13,17 +13,14 @@ and gets both of its modes from it, with the same dtypes and aliasing:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels import codecs, quant, rounding
+from pallasopt.kernels import codecs, policy, quant, rounding
 from pallasopt.kernels._dispatch import dispatch
-from pallasopt.kernels._elementwise import blocks_in_place, elementwise_call
-from pallasopt.kernels._target import Target
-from pallasopt.kernels._tiling import LANES
+from pallasopt.kernels._elementwise import elementwise_call
 
 __all__ = [
     "UpdateMath",
@@ -32,11 +29,7 @@ __all__ = [
     "ROUNDINGS",
     "Moment",
     "per_element",
-    "cuda_auto",
-    "tpu_auto",
-    "tiled_in_place",
     "update_dispatch",
-    "TPU_MIN_KERNEL_SIZE",
     "store_moment",
     "updates_dtype",
     "lr_times_weight_decay",
@@ -179,86 +172,6 @@ def per_element(roundings: Sequence[str]) -> bool:
   return all(r == "nearest" for r in roundings)
 
 
-def cuda_auto(moments: Sequence[Moment]) -> str:
-  """What ``impl="auto"`` runs on a CUDA GPU for an update with these moments.
-
-  f32 and bf16 moments: the XLA reference, which fuses the update into one
-  pass (measured on an H100: the Triton kernel only tied it). Blockwise
-  (int8 or fp8) moments: the Triton kernel, because XLA cannot fuse the
-  blockwise re-encoding into the update: its compiled reference reads and
-  writes 3.5x the kernel's bytes for int8 AdamW (59.0 MB against 16.8 MB per
-  1M-element f32 leaf, XLA's cost analysis on a CPU host,
-  bench/cases_adamw.py). Neither path has been timed on a GPU yet.
-  """
-  return "pallas" if any(map(quant.is_blockwise, moments)) else "xla"
-
-
-# Below this many elements a leaf's update is too short for a TPU kernel to
-# pay: at v5e's 819 GB/s the 28 B per element of fused f32 AdamW take ~2 us
-# for 2^16 elements, about the fixed cost of a kernel; XLA fuses such leaves.
-TPU_MIN_KERNEL_SIZE = 1 << 16
-
-
-def tiled_in_place(shape: tuple[int, ...]) -> bool:
-  """Whether XLA keeps a TPU leaf of ``shape`` row-major, as a kernel takes it.
-
-  XLA lays out an array so that its ``(8, 128)`` tiles waste the least: a
-  matrix whose last dim is not a multiple of 128 may get a column-major
-  layout, e.g. (4096, 4097), and an array of three or more dims whose
-  second-last dim is not a multiple of 8 may get its dims permuted, e.g.
-  (4, 1001, 4096); a kernel would pay for either with a copy of every operand
-  and result. Vectors are tiled by 1024 elements and reach a kernel as they
-  are when they hold whole tiles. (Compiled for TPU v5e and v6e from this
-  host, jax 0.10.2.)
-  """
-  if len(shape) <= 1:
-    return math.prod(shape) % (8 * LANES) == 0
-  if len(shape) == 2:
-    rows, cols = shape
-    padded = lambda n, tile: -(-n // tile) * tile
-    return cols % LANES == 0 or (
-        padded(rows, 8) * padded(cols, LANES) <= padded(cols, 8) * padded(rows, LANES)
-    )
-  return shape[-1] % LANES == 0 and shape[-2] % 8 == 0
-
-
-def tpu_auto(moments: Sequence[Moment]) -> Callable[[Sequence[jax.Array], Target], str]:
-  """What ``impl="auto"`` runs on a TPU for an update, given the call's arrays.
-
-  The kernel (``"pallas"``) only where it moves fewer bytes than XLA in the
-  train step users compile (compiled for TPU v5e and v6e from this host:
-  `pallasopt.whole_step`, the compile tier): with blockwise (int8, fp8)
-  moments, on leaves that reach the kernel in place (`tiled_in_place` and
-  `blocks_in_place`) of at least `TPU_MIN_KERNEL_SIZE` elements. XLA cannot
-  fuse the blockwise re-encoding (its codec reads and writes the moments
-  several times), so the kernel wins in every form of the step.
-
-  With f32 or bf16 moments the XLA reference (``"xla"``): measured alone, an
-  update step moves the same bytes either way (28 B per f32 parameter for
-  AdamW), but in a train step XLA fuses the update into the output fusion
-  of each weight-gradient matmul, so the gradient never reaches HBM, while
-  a kernel (a custom call) needs it written and read back: 8 B more per
-  matrix parameter. The returned function takes the call's array leaves
-  (the local shards when it runs per shard) and the target, the same on the
-  five TPU generations of the compile tier.
-  """
-  blockwise = any(map(quant.is_blockwise, moments))
-
-  def choose(arrays: Sequence[jax.Array], target: Target) -> str:
-    del target
-    leaf = max(arrays, key=lambda x: math.prod(x.shape))
-    shape = tuple(leaf.shape)
-    pays = (
-        blockwise
-        and math.prod(shape) >= TPU_MIN_KERNEL_SIZE
-        and tiled_in_place(shape)
-        and blocks_in_place(shape)
-    )
-    return "pallas" if pays else "xla"
-
-  return choose
-
-
 def update_dispatch(
     reference: Callable[..., tuple[Moment, ...]],
     kernel: Callable[..., tuple[Moment, ...]],
@@ -267,17 +180,21 @@ def update_dispatch(
     *,
     roundings: Sequence[str],
 ) -> Callable[..., tuple[Moment, ...]]:
-  """`_dispatch.dispatch` of an elementwise update family, with its ``"auto"`` policy.
+  """`_dispatch.dispatch` of an elementwise update family.
 
-  `cuda_auto` and `tpu_auto` choose for each target; the update runs per
-  shard under a mesh where it is `per_element`. The kernel reads the
-  gradient (argument 1) in bfloat16 where the step converts it from
-  bfloat16, as a bf16 matmul's weight gradient is.
+  Its row of the auto policy is `policy.BLOCKWISE_UPDATE` where a moment is
+  blockwise, else `policy.UPDATE`; blockwise moments with a ragged last
+  block run the reference (the kernel reads whole blocks); the update runs
+  per shard under a mesh where it is `per_element`. The kernel reads the gradient (argument 1) in
+  bfloat16 where the step converts it from bfloat16, as a bf16 matmul's
+  weight gradient is.
   """
+  blockwise = [m for m in moments if quant.is_blockwise(m)]
   return dispatch(
-      reference, kernel, impl, auto_on_cuda=cuda_auto(moments),
-      auto_on_tpu=tpu_auto(moments), elementwise=per_element(roundings),
-      narrowable_args=(1,),
+      reference, kernel, impl,
+      family=policy.BLOCKWISE_UPDATE if blockwise else policy.UPDATE,
+      kernel_takes=all(m.codes.size % quant.BLOCK == 0 for m in blockwise),
+      elementwise=per_element(roundings), narrowable_args=(1,),
   )
 
 
@@ -412,9 +329,8 @@ def kernel_update(
   Blockwise moments are decoded, updated in f32 and re-encoded with their new
   per-block absmax in the same pass: each block (a run of `quant.BLOCK`
   elements, see `elementwise_call`) is a row of the body's values, its absmax
-  a row reduction. A leaf whose
-  size is not a multiple of the block (a ragged last block) runs
-  `reference_update` instead, which computes the same codes and scales.
+  a row reduction; a leaf of whole blocks only (`update_dispatch` sends
+  others to `reference_update`).
   Stochastic rounding draws its bits from the key and each element's flat
   index (bf16) or stored value (blockwise codes), exactly as the reference
   does.
@@ -427,11 +343,6 @@ def kernel_update(
   )
   coded = _coded_streams(moments, key)
   quantized = [quant.is_blockwise(m) for m in moments]
-  if any(quantized) and g.size % quant.BLOCK:
-    return reference_update(
-        math, p, g, moments, scalars, mode=mode, decay=decay, roles=roles,
-        state_rounding=state_rounding, param_rounding=param_rounding, key=key,
-    )
   partner = _root_partner(moments, roles)
   codec_names = [quant.codec_of(m) if q else None for m, q in zip(moments, quantized, strict=True)]
   decay_outside = (mode == "updates" and decay and decay_rate is not None

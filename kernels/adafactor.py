@@ -67,7 +67,7 @@ R, C and the partial sums of `_reduction` are a few percent more):
 
   f32 defaults, apply mode: 12 + 20 = 32 bytes per parameter.
 
-Where each path pays. On a CUDA GPU ``impl="auto"`` runs these kernels
+Where each path pays (`pallasopt.kernels.policy`'s Adafactor row). On a CUDA GPU ``impl="auto"`` runs these kernels
 (timed on an H100: 1.11x Optax on GPT-2 small, 1.20x on the 1B decoder). On a
 TPU it runs the XLA reference: compiled for v5e and v6e (`bench.compiled
 --optimizer adafactor`), XLA fuses the statistics into fewer passes than the
@@ -113,6 +113,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallasopt.kernels import _reduction as red
+from pallasopt.kernels import policy
 from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._tiling import BlockPlan, leaf_view, plan_blocks
 
@@ -558,7 +559,7 @@ def adafactor_apply(
       see `adafactor_reference`.
     impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`).
   """
-  fn = dispatch(adafactor_reference, adafactor_kernel, impl, auto_on_tpu="xla")
+  fn = dispatch(adafactor_reference, adafactor_kernel, impl, family=policy.ADAFACTOR)
   return fn(p, g, v_row, v_col, v, m, scalars, mode="apply", factored_dims=factored_dims,
             stacked_axes=stacked_axes, clipping=clipping, parameter_scale=parameter_scale,
             momentum=momentum, decay=decay)
@@ -574,7 +575,7 @@ def adafactor_updates(
 
   ``p`` may be None without parameter scale and decay.
   """
-  fn = dispatch(adafactor_reference, adafactor_kernel, impl, auto_on_tpu="xla")
+  fn = dispatch(adafactor_reference, adafactor_kernel, impl, family=policy.ADAFACTOR)
   return fn(p, g, v_row, v_col, v, m, scalars, mode="updates", factored_dims=factored_dims,
             stacked_axes=stacked_axes, clipping=clipping, parameter_scale=parameter_scale,
             momentum=momentum, decay=decay)

@@ -27,14 +27,11 @@ Math is f32 inside the kernel whatever the operand dtypes (f32 or bf16); the
 moments keep their dtypes (``m`` may be ``mu_dtype``). Every per-step number is
 an `AdamWScalars` field, passed to the kernel as data.
 
-Dispatch: ``impl="auto"`` runs the Mosaic kernel on TPU but the XLA reference
-on CUDA GPUs, where XLA already fuses this update into one pass and the Triton
-kernel was never faster. Measured on an H100 (bench/results/
-nvidia-h100-80gb-hbm3, commit 5e874f6, against jitted Optax): the in-place
-step 0.44x Optax's speed on a 4K leaf, 0.86x at 1M, 0.99-1.00x from 16M up;
-``update`` + ``apply_updates`` 0.36-0.76x (it writes ``u`` and reads it back).
-``impl="pallas"`` still runs Triton. With 8-bit moments (`quant.Int8Blockwise`)
-``"auto"`` runs the Triton kernel on CUDA GPUs too (see `cuda_auto`).
+Dispatch: what ``impl="auto"`` runs on each target is the elementwise update
+rows of `pallasopt.kernels.policy` (with f32 or bf16 moments XLA, which fuses
+the update into the train step's weight-gradient matmuls on TPU and ties the
+Triton kernel on an H100; with blockwise moments the kernel, where it reads
+the leaf in place). ``impl="pallas"`` runs the Mosaic or Triton kernel.
 """
 
 from __future__ import annotations

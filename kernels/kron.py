@@ -65,18 +65,17 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels import _matrix, kron_math
+from pallasopt.kernels import _matrix, kron_math, policy
 from pallasopt.kernels.kron_math import PRECISIONS, RMS_CLIP, map_layers, norm_lower_bound
 from pallasopt.kernels._compat import pl
 from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._elementwise import scalar_input
-from pallasopt.kernels._target import Target
 
 __all__ = [
     "RMS_CLIP",
@@ -428,48 +427,19 @@ def kron_precondition_kernel(
   return out, (restore(outs[1]) if mu is not None else None)
 
 
-# A TPU v5p's device kind ("TPU v5p" in some releases).
-_V5P_KINDS = ("TPU v5", "TPU v5p")
-
-
-def _tpu_auto(arrays, target: Target) -> str:
-  """Where ``impl="auto"`` takes kernel (a) on a TPU: layers on which it moves fewer bytes.
-
-  Compiled for a v5e (HBM bytes of a PSGD Kron step, update mode and fused
-  alike, from a CPU host): the kernel moves 0.82-0.96x XLA's bytes on layers
-  of fewer than 2^14 elements (32x32 to 64x128) and on layers with a side of
-  1024 or more (64x1024, 128x1024, 1024x128), where the factors outweigh the
-  gradient; 1.06-1.12x on the twelve layers measured in between (128x128 to
-  512x512, 64x256 to 256x512). Vectors take it (0.77-0.88x at 768 and 50257).
-  v4, v6e and tpu7x alike. A v5p ("TPU v5") stages small arrays through VMEM
-  where the kernel pads them to whole (8, 128) tiles: there the kernel moved
-  1.15-8.0x XLA's bytes on layers under 2^17 elements and on vectors (32x32
-  to 100x100, 1024x64, 768 to 4096), 0.54x on 128x1024 and 1024x128, so
-  only layers with a side of 1024 and 2^17 elements or more take it.
-  """
-  layer = arrays[0].shape[1:]
-  matrix = len(layer) == 2
-  if target.device_kind in _V5P_KINDS:
-    pays = matrix and max(layer) >= 1024 and math.prod(layer) >= 1 << 17
-  else:
-    pays = not matrix or math.prod(layer) < 1 << 14 or max(layer) >= 1024
-  return "pallas" if pays else "xla"
-
-
 def kron_precondition(
     g, mu, p, qs: Sequence[jax.Array], scalars: KronScalars, *, mode: str,
     decay: bool = False, precision: str | None = None,
     map_batch_size: int | None = None, rms_clip: bool = True, impl: str = "auto",
-    auto_on_tpu: str | Callable[[Sequence[jax.Array], Target], str] = _tpu_auto,
+    family: str = policy.KRON_PRECONDITION,
 ):
   """Kernel (a) as ``impl`` asks; see `kron_precondition_reference`.
 
-  ``auto_on_tpu``: what ``impl="auto"`` runs on a TPU (`dispatch`): by
-  default the kernel on the layers where it moves fewer bytes than XLA
-  (`_tpu_auto`); ``"pallas"`` or ``"xla"`` for a caller that measured its own.
+  ``family``: its row of the auto policy (`policy.KRON_PRECONDITION`, or
+  `policy.SKEW_QUAD_PRECONDITION` for the skew and quad steps).
   """
   fn = dispatch(
-      kron_precondition_reference, kron_precondition_kernel, impl, auto_on_tpu=auto_on_tpu
+      kron_precondition_reference, kron_precondition_kernel, impl, family=family
   )
   return fn(
       g, mu, p, list(qs), scalars, mode=mode, decay=decay, precision=precision,

@@ -14,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels import _matrix, kron_math
+from pallasopt.kernels import _matrix, kron_math, policy
 from pallasopt.kernels._compat import pl
 from pallasopt.kernels._dispatch import dispatch
 from pallasopt.kernels._elementwise import scalar_input
@@ -167,5 +167,5 @@ def kron_factor_update(
   same on 128x1024, 1024x128 and a 50257 vector; v6e alike).
   """
   fn = dispatch(kron_factor_update_reference, kron_factor_update_kernel, impl,
-                auto_on_tpu="xla")
+                family=policy.KRON_FACTOR_UPDATE)
   return fn(q, x, y, precond_lr, precision=precision, map_batch_size=map_batch_size)

@@ -26,13 +26,11 @@ keeps its dtype (``mu_dtype``). Every per-step number is a `LionScalars`
 field, passed to the kernel as data, so a changing learning rate never
 recompiles.
 
-Dispatch: as for AdamW, ``impl="auto"`` runs the Mosaic kernel on TPU and the
-XLA reference on CUDA GPUs. Measured on an H100 (bench/results/
+Dispatch: as for AdamW, the elementwise update rows of
+`pallasopt.kernels.policy`. Measured on an H100 (bench/results/
 nvidia-h100-80gb-hbm3, commit 5e874f6, against jitted Optax): the in-place
 step 0.66x Optax's speed on a 4K leaf, 0.99-1.00x from 16M up;
 ``update`` + ``apply_updates`` 0.48-0.72x. ``impl="pallas"`` still runs Triton.
-With 8-bit moments (`quant.Int8Blockwise`) ``"auto"`` runs the Triton kernel
-on CUDA GPUs too (see `cuda_auto`).
 """
 
 from __future__ import annotations

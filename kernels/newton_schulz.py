@@ -34,7 +34,7 @@ Regimes (`newton_schulz_kernel`, ``regime="auto"``, `choose_regime`):
   matrix stay in VMEM for all steps, so a step costs no HBM traffic at all.
   Chosen when the padded ``m x n`` matrix (``m <= n`` after transposing)
   fits: the f32 working set ``4 (6 m n + 3 m^2)`` bytes (X double-buffered in
-  and out, two temporaries, A, B, A²) within `_TPU_RESIDENT_BYTES` (24 MiB,
+  and out, two temporaries, A, B, A²) within `ns_tiled.TPU_RESIDENT_BYTES` (24 MiB,
   within v5e/v6e's 128 MiB and v7's 64 MiB of VMEM, with the VMEM limit
   raised to match).
 * **tiled** (TPU; three launches per step): larger matrices. See
@@ -45,7 +45,7 @@ Regimes (`newton_schulz_kernel`, ``regime="auto"``, `choose_regime`):
   the epilogues in XLA (cuBLAS). Not yet timed on a GPU.
 
 Dispatch and what was measured. ``impl="auto"`` runs the Mosaic kernel on TPU
-where its regime is resident and the reference elsewhere (`_tpu_auto`: not
+where its regime is resident and the reference elsewhere (`policy.TPU_AUTO`: not
 timed; compiled for a v5e, the resident kernel moves what XLA does with no
 temporary memory, the tiled regime up to 2.3x XLA's bytes), and the XLA
 reference on CUDA GPUs and CPUs. On CUDA there is no f32
@@ -84,13 +84,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels import _compat, _matrix, ns_math, ns_tiled
+from pallasopt.kernels import _compat, _matrix, ns_math, ns_tiled, policy
 from pallasopt.kernels._by_target import by_target
 from pallasopt.kernels._compat import pl
 from pallasopt.kernels._dispatch import CudaRequirement, dispatch
 from pallasopt.kernels._elementwise import scalar_input
-from pallasopt.kernels._target import Target
 from pallasopt.kernels.gram import check_levels, gram_kernel, gram_levels_for, gram_reference
+from pallasopt.kernels.ns_tiled import choose_regime, resident_bytes
 
 __all__ = [
     "PRECONDITIONINGS",
@@ -105,7 +105,6 @@ __all__ = [
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten", "none")
 REGIMES = ("auto", "resident", "tiled", "wgmma")
 
-_TPU_RESIDENT_BYTES = 24 * 2**20
 _TPU_VMEM_HEADROOM = 8 * 2**20
 
 
@@ -236,20 +235,6 @@ def _resident_kernel(scalar_ref, x_ref, o_ref, *, steps, preconditioning, dtype)
   o_ref[...] = x.astype(o_ref.dtype)
 
 
-def _resident_bytes(dims: tuple[int, int]) -> int:
-  m, n = dims
-  return 4 * (6 * m * n + 3 * m * m)
-
-
-def choose_regime(rows: int, cols: int, backend: str) -> str:
-  """The regime of one matrix (see the module docstring)."""
-  if backend == "triton":
-    return "wgmma"
-  m, n = min(rows, cols), max(rows, cols)
-  dims = _matrix.padded_dims(m, n, backend)
-  return "resident" if _resident_bytes(dims) <= _TPU_RESIDENT_BYTES else "tiled"
-
-
 # wgmma is Hopper's (sm_90a): neither an A100 (sm_80) nor a Blackwell (sm_100a)
 # compiles it ("Pass pipeline failed" from Mosaic GPU).
 WGMMA_REQUIREMENT = CudaRequirement(
@@ -291,7 +276,7 @@ def _resident(stack, coeffs, *, preconditioning, eps, dtype, out_dtype, interpre
   scalars = jnp.concatenate([jnp.reshape(jnp.asarray(eps, jnp.float32), (1,)), coeffs.ravel()])
   scalar_vec, scalar_spec = scalar_input(scalars, "tpu")
   params = _compat.compiler_params(
-      "tpu", ("parallel",), vmem_limit_bytes=_resident_bytes(dims) + _TPU_VMEM_HEADROOM,
+      "tpu", ("parallel",), vmem_limit_bytes=resident_bytes(dims) + _TPU_VMEM_HEADROOM,
       interpret=interpret,
   )
   kernel = functools.partial(
@@ -372,21 +357,6 @@ def _wgmma(stack, coeffs, *, preconditioning, eps, dtype, interpret):
   )
 
 
-def _tpu_auto(arrays, target: Target) -> str:
-  """What ``impl="auto"`` runs on a TPU: the kernel where its regime is resident.
-
-  Compiled for a TPU v5e (HBM bytes of the step, from a CPU host), the
-  resident kernel moves what XLA does (20 B per param of GPT-2 small's
-  768x768 and 1024x768 matrices, with no temporary memory against XLA's
-  0.4 MiB), the tiled regime more (28 against 20 on a 768x2304 matrix; 184
-  against 80 on GPT-2's 50257x768 embedding): XLA keeps those iterates in
-  VMEM itself. (The same rule on every generation.)
-  """
-  del target
-  rows, cols = arrays[0].shape[-2:]
-  return "pallas" if choose_regime(rows, cols, "tpu") == "resident" else "xla"
-
-
 def newton_schulz(
     x: jax.Array,
     coeffs: jax.Array,
@@ -417,8 +387,7 @@ def newton_schulz(
       functools.partial(newton_schulz_reference, gram_levels=gram_levels),
       functools.partial(newton_schulz_kernel, regime=regime, tile=tile),
       impl,
-      auto_on_cuda="xla",
-      auto_on_tpu=_tpu_auto if regime == "auto" else "pallas",
+      family=policy.NEWTON_SCHULZ if regime == "auto" else policy.NEWTON_SCHULZ_NAMED_REGIME,
       cuda_requirement=WGMMA_REQUIREMENT,
   )
   return fn(x, coeffs, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype)

@@ -1,7 +1,9 @@
-r"""Newton–Schulz's tiled TPU regime: three tiled matmuls per step, symmetric where possible.
+r"""Newton–Schulz's regimes: which one a matrix takes, and the tiled TPU regime.
 
-For matrices too large to stay in VMEM (`pallasopt.kernels.newton_schulz`,
-``regime="tiled"``); `_tiled_step` draws one step.
+`choose_regime` picks a matrix's regime (`pallasopt.kernels.newton_schulz`
+describes them). The tiled regime, three tiled matmuls per step, symmetric
+where possible, is for matrices too large to stay in VMEM
+(``regime="tiled"``); `_tiled_step` draws one step.
 """
 
 from __future__ import annotations
@@ -16,9 +18,26 @@ from pallasopt.kernels._compat import pl, pltpu
 from pallasopt.kernels._elementwise import scalar_input
 from pallasopt.kernels.gram import mirror_upper
 
-__all__ = ["TPU_TILE", "tiled"]
+__all__ = ["TPU_TILE", "TPU_RESIDENT_BYTES", "choose_regime", "resident_bytes", "tiled"]
 
 TPU_TILE = 256
+# The VMEM a resident matrix may take: within v5e/v6e's 128 MiB and v7's 64 MiB.
+TPU_RESIDENT_BYTES = 24 * 2**20
+
+
+def resident_bytes(dims: tuple[int, int]) -> int:
+  """The f32 VMEM working set of the resident regime on a padded ``m x n`` matrix."""
+  m, n = dims
+  return 4 * (6 * m * n + 3 * m * m)
+
+
+def choose_regime(rows: int, cols: int, backend: str) -> str:
+  """The regime of one matrix: ``"wgmma"`` on a GPU, else resident where it fits in VMEM."""
+  if backend == "triton":
+    return "wgmma"
+  m, n = min(rows, cols), max(rows, cols)
+  dims = _matrix.padded_dims(m, n, backend)
+  return "resident" if resident_bytes(dims) <= TPU_RESIDENT_BYTES else "tiled"
 
 # How a kernel operand is read at grid point (i, j) and reduction step k:
 # "ik" / "jk" / "kj" / "ij" name the tile; "sym_" operands are symmetric

@@ -27,9 +27,7 @@ becomes :math:`u + r\,p`, ``r`` the scalars' ``decay_rate``. The moments in kern
 ``(mu if centered, nu, trace if momentum)``; modes, dtypes, 8-bit moments and
 stochastic rounding are those of `_update.kernel_update`.
 
-Dispatch: like AdamW's (`pallasopt.kernels.adamw`), ``impl="auto"`` runs the
-XLA reference on CUDA GPUs for f32 and bf16 moments (XLA fuses this
-elementwise update into one pass) and the Triton kernel for 8-bit moments.
+Dispatch: like AdamW's, the elementwise update rows of `pallasopt.kernels.policy`.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallasopt.kernels import kron
+from pallasopt.kernels import kron, policy
 
 __all__ = [
     "STYLES",
@@ -164,7 +164,7 @@ def precondition(g, ql, qr, *, impl: str):
   scalars = kron.kron_scalars(1)
   out, _ = kron.kron_precondition(
       g, None, None, [ql, qr], scalars, mode="precond", rms_clip=False, impl=impl,
-      auto_on_tpu="xla",
+      family=policy.SKEW_QUAD_PRECONDITION,
   )
   return out.astype(jnp.result_type(g, ql, qr))
 

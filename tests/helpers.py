@@ -7,6 +7,7 @@ import optax
 from hypothesis import strategies as st
 
 import pallasopt
+from pallasopt import chips
 from pallasopt.kernels import quant
 from bench.low_bit import digits_mlp  # noqa: F401  (the tests' digits task)
 
@@ -211,16 +212,7 @@ _DISABLED_CHECKS = {
 
 
 # Device kinds as the chips report them, to name the chip of an export.
-CHIPS = {
-    "a100": ("NVIDIA A100-SXM4-80GB", "cuda"),
-    "h100": ("NVIDIA H100 80GB HBM3", "cuda"),
-    "b200": ("NVIDIA B200", "cuda"),
-    "v4": ("TPU v4", "tpu"),
-    "v5e": ("TPU v5 lite", "tpu"),
-    "v5p": ("TPU v5", "tpu"),
-    "v6e": ("TPU v6 lite", "tpu"),
-    "tpu7x": ("TPU7x", "tpu"),
-}
+CHIPS = {name: (chip.device_kind, chip.platform) for name, chip in chips.CHIPS.items()}
 
 
 def named_chip(chip: str):

@@ -88,7 +88,7 @@ def test_auto_runs_xla_for_f32_state_on_tpu_and_cuda():
   x = _sds((1024, 128))
   scalars = adamw_k.adamw_scalars(jnp.int32(1), 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
   fn = lambda *a: adamw_k.adamw_apply(*a, impl="auto")
-  # A train step fuses XLA's update into the gradient's producer (_update.tpu_auto).
+  # A train step fuses XLA's update into the gradient's producer (policy.TPU_AUTO).
   assert CUSTOM_CALL["tpu"] not in lowered_text(fn, "tpu", x, x, x, x, scalars)
   assert CUSTOM_CALL["cuda"] not in lowered_text(fn, "cuda", x, x, x, x, scalars)
 

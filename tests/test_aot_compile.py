@@ -25,6 +25,7 @@ import pytest
 import aot_targets
 import pallasopt
 from aot_targets import TPU_TARGETS, compile_for, compiled_kernels
+from pallasopt.kernels import policy, quant
 from pallasopt.kernels._target import Target
 from pallasopt.compile_check import optimizer_step
 from helpers import (
@@ -322,7 +323,7 @@ def test_a_column_sharded_int8_state_declared_by_the_state_specs_needs_no_collec
 
 # Leaf shapes beyond the block multiples: awkward and prime sizes, GPT-2's
 # vocabulary rows, the 1B decoder's MLP and embedding. On TPU "auto" takes the
-# kernel exactly where `tpu_auto` says (leaves XLA stores as the kernel reads
+# kernel exactly where `policy.TPU_AUTO` says (leaves XLA stores as the kernel reads
 # them); "pallas" compiles the kernel for every one of them, on every target.
 _LEAF_SHAPES = [(4096, 4097), (1_000_003,), (50257, 768), (2048, 8192), (128256, 2048)]
 
@@ -331,8 +332,6 @@ _LEAF_SHAPES = [(4096, 4097), (1_000_003,), (50257, 768), (2048, 8192), (128256,
 @pytest.mark.parametrize("fmt", [None, "int8"], ids=str)
 @pytest.mark.parametrize("shape", _LEAF_SHAPES, ids=str)
 def test_leaf_shapes_compile_the_chosen_kernel(shape, fmt, chip):
-  from pallasopt.kernels import _update
-
   aot_targets.require(chip)
   params = {"w": sds(shape)}
   for impl in ("auto", "pallas"):
@@ -346,7 +345,8 @@ def test_leaf_shapes_compile_the_chosen_kernel(shape, fmt, chip):
       want = 1 if fmt is None or blockwise or math.prod(shape) < 4096 else 0
     elif CHIPS[chip][1] == "tpu":
       arrays = jax.tree.leaves((sds(shape), moments))
-      want = int(_update.tpu_auto(moments)(arrays, Target("tpu")) == "pallas")
+      family = policy.BLOCKWISE_UPDATE if quant.is_blockwise(moments[1]) else policy.UPDATE
+      want = int(policy.auto_choice(family, arrays, Target("tpu")) == "pallas")
     else:
       want = int(blockwise)
     assert kernels == want, (impl, kernels)
@@ -479,7 +479,7 @@ def test_muon_moves_no_more_bytes_than_optax_on_tpu(chip, tree):
 ])
 def test_kron_families_move_no_more_bytes_than_their_xla_path_on_tpu(chip, name, shape):
   # `auto` takes the preconditioner kernel on a TPU only where its step moves
-  # no more bytes (2% for the step's scalars; kernels/kron.py `_tpu_auto`,
+  # no more bytes (2% for the step's scalars; kernels/policy.py's Kron row,
   # kernels/white_kron.py `precondition`), and the factor update XLA's, in a
   # step that updates the preconditioner too (the conditional's branches).
   from pallasopt.compile_check import measure_step

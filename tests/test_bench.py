@@ -216,7 +216,7 @@ def test_kernel_labels_follow_each_familys_cuda_dispatch():
   assert harness.kernel_label("pallas", "gpu", auto_on_cuda="xla") == "triton"
   assert harness.kernel_label("auto", "tpu", auto_on_cuda="xla") == "mosaic"
   # AdamW's, Lion's and Newton-Schulz's "auto" is XLA on CUDA (their modules' docs),
-  # except with blockwise moments (kernels._update.cuda_auto).
+  # except with blockwise moments (kernels.policy.CUDA_AUTO).
   for c in kernels.cases("ci", ("adamw", "lion", "muon")):
     blockwise = c.label.endswith(("state-int8", "state-fp8", "state-int4"))
     assert c.auto_on_cuda == ("pallas" if blockwise else "xla"), c.key
@@ -337,29 +337,6 @@ def test_low_bit_bytes_model_equals_the_kernels_cost_estimates(
                   "int4": 2 * (0.5 + 4 / 256), "bf16": 4}[state_format]
     per_param = (6 if bf16_params else 12) + family.SPEC.moments * per_moment
     assert case.bytes == per_param * workload.params
-
-
-@pytest.mark.parametrize("kind,name,gbps", [
-    ("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM", 3350),
-    ("NVIDIA H100 PCIe", "NVIDIA H100 PCIe", 2000),
-    ("NVIDIA H100 NVL", "NVIDIA H100 NVL", 3900),
-    ("NVIDIA H200", "NVIDIA H200 SXM", 4800),
-    ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB SXM", 2039),
-    ("NVIDIA A100 80GB PCIe", "NVIDIA A100 80GB PCIe", 1935),
-    ("NVIDIA A100-SXM4-40GB", "NVIDIA A100 40GB", 1555),
-    ("TPU v4", "TPU v4", 1200),
-    ("TPU v5 lite", "TPU v5e", 819),
-    ("TPU v5", "TPU v5p", 2765),
-    ("TPU v5p", "TPU v5p", 2765),
-    ("TPU v6 lite", "TPU v6e", 1638),
-])
-def test_datasheet_peaks_by_device_kind(kind, name, gbps):
-  peaks = records.datasheet_peaks(kind)
-  assert (peaks.name, peaks.gbps) == (name, gbps)
-
-
-def test_no_datasheet_for_a_cpu():
-  assert records.datasheet_peaks("cpu") is None
 
 
 def test_realistic_workloads_have_the_published_sizes():

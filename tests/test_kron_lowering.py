@@ -13,6 +13,7 @@ import pytest
 from helpers import CUSTOM_CALL, lowered_text
 from pallasopt.kernels import kron as kk
 from pallasopt.kernels import kron_factor as kf
+from pallasopt.kernels import policy
 from pallasopt.kernels._target import Target
 from pallasopt.optim.kron import kron
 
@@ -111,7 +112,7 @@ def test_matmul_precisions_lower(platform, precision):
     ((1024, 64), "TPU v5", False), ((768,), "TPU7x", True), ((768,), "TPU v5", False),
 ], ids=str)
 def test_tpu_auto_takes_kernel_a_where_it_moves_fewer_bytes_on_that_generation(layer, kind, kernel):
-  # kernels/kron.py `_tpu_auto`: fitted on v5e, holds on v4, v6e and tpu7x; a
-  # v5p takes only layers with a side of 1024 and 2^17 elements or more.
-  choice = kk._tpu_auto([_sds((2, *layer))], Target("tpu", kind))
+  # kernels/policy.py's Kron row: fitted on v5e, holds on v4, v6e and tpu7x;
+  # a v5p takes only layers with a side of 1024 and 2^17 elements or more.
+  choice = policy.auto_choice(policy.KRON_PRECONDITION, [_sds((2, *layer))], Target("tpu", kind))
   assert choice == ("pallas" if kernel else "xla")

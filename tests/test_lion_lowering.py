@@ -55,7 +55,7 @@ def test_lion_transform_lowers_with_one_kernel_per_leaf(platform):
 def test_auto_runs_xla_for_f32_state_on_tpu_and_cuda():
   x = sds((1024, 128))
   fn = lambda *a: lion_k.lion_apply(*a, impl="auto")
-  # A train step fuses XLA's update into the gradient's producer (_update.tpu_auto).
+  # A train step fuses XLA's update into the gradient's producer (policy.TPU_AUTO).
   assert CUSTOM_CALL["tpu"] not in lowered_text(fn, "tpu", x, x, x, SCALARS)
   assert CUSTOM_CALL["cuda"] not in lowered_text(fn, "cuda", x, x, x, SCALARS)
 

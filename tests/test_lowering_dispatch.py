@@ -20,7 +20,7 @@ from helpers import (
     assert_close, auto_kernels, blockwise_adam_moments, lowered_text, sds,
 )
 from pallasopt import kernels
-from pallasopt.kernels import _by_target, _dispatch, _update
+from pallasopt.kernels import _by_target, _dispatch, policy
 from pallasopt.kernels import adamw as adamw_k
 from pallasopt.kernels import rounding
 from pallasopt.kernels._target import Target
@@ -144,8 +144,9 @@ def test_tpu_auto_takes_the_kernel_where_it_pays(shape, fmt, mode, kernel):
     m = v = x
   else:
     m, v = jax.eval_shape(functools.partial(blockwise_adam_moments, fmt=fmt), x, x)
-  choose = _update.tpu_auto((m, v))
-  assert choose(jax.tree.leaves((x, x, m, v)), Target("tpu")) == ("pallas" if kernel else "xla")
+  family = policy.UPDATE if fmt is None else policy.BLOCKWISE_UPDATE
+  choice = policy.auto_choice(family, jax.tree.leaves((x, x, m, v)), Target("tpu"))
+  assert choice == ("pallas" if kernel else "xla")
   fn = adamw_k.adamw_apply if mode == "apply" else adamw_k.adamw_updates
   text = lowered_text(functools.partial(fn, impl="auto"), ["tpu"], x, x, m, v, _SCALARS, _KEY)
   assert _kernels(text)["tpu"] == int(kernel)
@@ -183,10 +184,11 @@ def _target(kind, platform, capability=None, partitioned=False):
 
 
 @pytest.mark.parametrize(
-    "target,impl,auto_on_cuda,requirement,expected",
+    "target,impl,auto,requirement,expected",
     [
-        (_target("TPU v5 lite", "tpu"), "auto", "xla", None, "tpu"),
-        (_target("TPU v6 lite", "tpu"), "pallas", "pallas", None, "tpu"),
+        (_target("TPU v5 lite", "tpu"), "auto", "pallas", None, "tpu"),
+        (_target("TPU v5 lite", "tpu"), "auto", "xla", None, None),
+        (_target("TPU v6 lite", "tpu"), "pallas", "xla", None, "tpu"),
         (_target("NVIDIA H100 80GB HBM3", "cuda", (9, 0)), "auto", "xla", None, None),
         (_target("NVIDIA H100 80GB HBM3", "cuda", (9, 0)), "auto", "pallas", None, "triton"),
         (_target("NVIDIA H100 80GB HBM3", "cuda", (9, 0)), "pallas", "xla", None, "triton"),
@@ -198,12 +200,27 @@ def _target(kind, platform, capability=None, partitioned=False):
         (_target(None, "rocm"), "pallas", "pallas", None, "triton"),
     ],
 )
-def test_policy_per_target(target, impl, auto_on_cuda, requirement, expected):
+def test_chip_limits_and_placement_on_the_policy_choice(target, impl, auto, requirement, expected):
   requirement = {"fp8": _dispatch.FP8_REQUIREMENT, None: None}[requirement]
-  got = _dispatch.kernel_backend(
-      target, impl, "adamw", auto_on_cuda=auto_on_cuda, cuda_requirement=requirement
-  )
+  got = _dispatch.kernel_backend(target, impl, "adamw", auto=auto, cuda_requirement=requirement)
   assert got == expected
+
+
+@pytest.mark.parametrize("family", policy.FAMILIES)
+def test_every_family_has_one_measured_row_per_target(family):
+  for table in (policy.TPU_AUTO, policy.CUDA_AUTO):
+    entry = table[family]
+    assert entry.provenance.strip() and (callable(entry.choice) or entry.choice in ("pallas", "xla"))
+  assert set(policy.TPU_AUTO) == set(policy.CUDA_AUTO) == set(policy.FAMILIES)
+  for platform in ("cpu", "rocm"):
+    assert policy.auto_choice(family, [sds((1024, 1024))], Target(platform)) == "xla"
+
+
+def test_an_unknown_family_is_named():
+  with pytest.raises(ValueError, match="no auto policy for kernel family 'adamw'"):
+    policy.auto_choice("adamw", [], Target("tpu"))
+  with pytest.raises(ValueError, match="family must be one of"):
+    _dispatch.dispatch(adamw_k.adamw_reference, adamw_k.adamw_kernel, family="adamw")
 
 
 def test_policy_errors_name_target_family_and_remedy():

@@ -105,9 +105,9 @@ def test_bad_impl_values_are_named(monkeypatch):
     kernels.resolve_impl()
 
 
-def test_bad_auto_on_cuda_is_named():
-  with pytest.raises(ValueError, match="auto_on_cuda must be 'pallas' or 'xla'"):
-    _dispatch.dispatch(adamw_k.adamw_reference, adamw_k.adamw_kernel, auto_on_cuda="triton")
+def test_bad_policy_family_is_named():
+  with pytest.raises(ValueError, match="family must be one of .*'elementwise update'"):
+    _dispatch.dispatch(adamw_k.adamw_reference, adamw_k.adamw_kernel, family="triton")
 
 
 def test_use_impl_is_part_of_the_jit_cache_key():

@@ -82,7 +82,7 @@ def test_symmetric_gram_kernel_lowers_for_cuda():
 
 def test_auto_runs_the_resident_mosaic_kernel_on_tpu_and_xla_on_cuda():
   # On CUDA GPUs cuBLAS beat the (removed) Triton Newton-Schulz kernels; on a
-  # TPU the tiled regime moves more bytes than XLA (ns._tpu_auto), the
+  # TPU the tiled regime moves more bytes than XLA (policy.TPU_AUTO), the
   # resident one (a 512x1024 matrix: 15 MiB of VMEM) what XLA does.
   fn = lambda x, t: ns.newton_schulz(x, t, impl="auto")
   resident, tiled = (_sds((512, 1024)), _sds((5, 3))), (_sds((1024, 1024)), _sds((5, 3)))
