@@ -41,12 +41,23 @@ class FusedUpdate:
       learning_rate=None) -> (updates, opt_state)``, or None.
     learning_rate: the transform's learning rate where its entry points take
       ``decay_link``, else None.
+    stacked_axes: for a transform with per-layer math (Adafactor's factored
+      statistics, Muon, Kron), the leading axes of every leaf it treats as
+      stacked layers (batch axes of that math); None for one without.
+    elementwise: each element's update depends on that element's gradient
+      and state alone, so any slice of a leaf may be updated on its own (a
+      pipeline stage's FSDP shard, in place).
+    collective_axes: mesh axes the step communicates over itself (Muon's
+      ``distributed_axes``): their devices must hold the same layers.
   """
 
   update: Callable[..., tuple[optax.Updates, optax.OptState]]
   apply_gradients: ApplyFn
   scaled_update: ApplyFn | None = None
   learning_rate: ScalarOrSchedule | None = None
+  stacked_axes: int | None = None
+  elementwise: bool = False
+  collective_axes: tuple[str, ...] = ()
 
   def __call__(self, updates, state, params=None, **extra_args):
     return self.update(updates, state, params, **extra_args)
@@ -100,11 +111,16 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
   def __new__(
       cls, init, update, apply_gradients: ApplyFn | None = None,
       scaled_update: ApplyFn | None = None, learning_rate: ScalarOrSchedule | None = None,
+      *, stacked_axes: int | None = None, elementwise: bool = False,
+      collective_axes: tuple[str, ...] = (),
   ):
     # Copies and tree maps rebuild the tuple from (init, update) alone: the
     # entry points are already on ``update`` then.
     if apply_gradients is not None:
-      update = FusedUpdate(update, apply_gradients, scaled_update, learning_rate)
+      update = FusedUpdate(
+          update, apply_gradients, scaled_update, learning_rate, stacked_axes, elementwise,
+          collective_axes,
+      )
     return super().__new__(cls, init, update)
 
   @property
@@ -139,7 +155,8 @@ def _entry_points(tx: FusedGradientTransformation) -> FusedUpdate:
 
 def fused_transformation(
     init_fn: Callable[[optax.Params], optax.OptState], step: Callable[..., Any],
-    learning_rate: ScalarOrSchedule | None = None,
+    learning_rate: ScalarOrSchedule | None = None, *, stacked_axes: int | None = None,
+    elementwise: bool = False,
 ) -> FusedGradientTransformation:
   """A `FusedGradientTransformation` whose two paths share one ``step``.
 
@@ -152,6 +169,7 @@ def fused_transformation(
       Keywords given to the fused entry points (``decay_link``) are passed on.
     learning_rate: the transform's learning rate, when ``step`` takes
       ``decay_link`` (see `FusedGradientTransformation`).
+    stacked_axes, elementwise: see `FusedUpdate`.
   """
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -167,7 +185,8 @@ def fused_transformation(
     return step(grads, state, params, "updates", grad_scale, learning_rate, **options)
 
   return FusedGradientTransformation(
-      init_fn, update_fn, apply_fn, scaled_update_fn, learning_rate=learning_rate
+      init_fn, update_fn, apply_fn, scaled_update_fn, learning_rate=learning_rate,
+      stacked_axes=stacked_axes, elementwise=elementwise,
   )
 
 
@@ -180,6 +199,8 @@ def chained_transformation(
     scaling: optax.GradientTransformation,
     decay: optax.GradientTransformation | None,
     learning_rate: ScalarOrSchedule,
+    *,
+    stacked_axes: int | None = None,
 ) -> FusedGradientTransformation:
   """``optax.chain(scaling, [decay], scale_by_learning_rate(learning_rate))``
   with the fused entry points.
@@ -188,7 +209,7 @@ def chained_transformation(
   kernels inside): ``apply_gradients`` and ``scaled_update`` run the chain
   on ``grad_scale * grads`` with ``learning_rate`` (when given) in place of
   the schedule's value, advancing its counter as the chain does; the state is
-  the chain's.
+  the chain's. ``stacked_axes``: see `FusedUpdate`.
   """
   lr_tx = optax.scale_by_learning_rate(learning_rate)
   links = [scaling] + ([] if decay is None else [decay])
@@ -210,7 +231,7 @@ def chained_transformation(
     first = optax.apply_updates(params, updates) if mode == "apply" else updates
     return first, (*new_states, lr_state)
 
-  return fused_transformation(chain.init, step)
+  return fused_transformation(chain.init, step, stacked_axes=stacked_axes)
 
 
 def apply_gradients(

@@ -492,4 +492,4 @@ def elementwise_transform(
     )
     return first, new_state
 
-  return fused_transformation(init_fn, step, learning_rate=learning_rate)
+  return fused_transformation(init_fn, step, learning_rate=learning_rate, elementwise=True)

@@ -376,4 +376,6 @@ def adafactor(
       new_state[i] = new_state[i]._replace(ema=new_m)
     return first, tuple(new_state)
 
-  return fused_transformation(init_fn, step, learning_rate=learning_rate)
+  return fused_transformation(
+      init_fn, step, learning_rate=learning_rate, stacked_axes=stacked_axes
+  )

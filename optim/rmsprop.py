@@ -204,4 +204,4 @@ def rmsprop(
     new_rms, _, new_trace = with_moments(state, new_moments, count)
     return first, (new_rms, advance_schedule(lr_state), new_trace)
 
-  return fused_transformation(init_fn, step, learning_rate=learning_rate)
+  return fused_transformation(init_fn, step, learning_rate=learning_rate, elementwise=True)

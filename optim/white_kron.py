@@ -550,7 +550,7 @@ def _optimizer(style: str):
         impl=impl,
     )
     decay = optax.add_decayed_weights(weight_decay, weight_decay_mask) if weight_decay > 0 else None
-    return chained_transformation(scaling, decay, learning_rate)
+    return chained_transformation(scaling, decay, learning_rate, stacked_axes=stacked_axes)
 
   return optimizer
 

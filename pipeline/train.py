@@ -15,6 +15,12 @@
    the stacked leaves): the fused kernels update them in place (params and state are
    donated), and no weight or optimizer state crosses a device.
 
+``tx`` is a stage-local transform (`pallasopt.optim.eformer.OptimizerFactory`)
+or a plain pallasopt transform, which the step runs as ``optax.chain(tx)``
+through `pallasopt.optim.eformer.fused_stage_local_apply`. How its operands
+are laid out under FSDP follows from the transform itself (its fused entry
+points say whether it is elementwise and which axes it stacks).
+
 The optimizer state is sharded like the params by
 `pallasopt.pipeline.sharding.optimizer_state_specs` (moments like their
 params, Adafactor's factored statistics with the reduced spec, Kron's factors
@@ -48,10 +54,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from pallasopt.kernels._compat import shard_map
+from pallasopt.optim._base import fused_update
 from pallasopt.optim.eformer import (
-    AdamWConfig,
-    LionConfig,
-    RMSPropConfig,
+    StageLocalOptimizerMetadata,
+    fused_stage_local_apply,
+    make_stage_local_gradient_transformation,
     stage_local_grad_norm,
 )
 from pallasopt.pipeline.circular import StageFn, _check_config, circular_pipeline, io_specs
@@ -73,9 +80,6 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 # Optimizers whose update of an element reads only that element's gradient,
 # moments and param: with FSDP they update each device's slices in place.
-_ELEMENTWISE_CONFIGS = (AdamWConfig, LionConfig, RMSPropConfig)
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineTrainStep:
   """A jitted pipeline train step and the helpers that place its arrays.
@@ -196,8 +200,8 @@ class PipelineTrainStep:
     if self.fsdp_axis is None:
       return None
     accumulating = getattr(self.tx.metadata, "gradient_accumulation_steps", 1) > 1
-    config = getattr(self.tx.metadata, "optimizer_config", None)
-    if isinstance(config, _ELEMENTWISE_CONFIGS) and not (
+    fused = getattr(self.tx, "fused", None)
+    if fused is not None and fused.elementwise and not (
         accumulating and self.tx.metadata.clip_grad
     ):
       return None
@@ -330,8 +334,11 @@ def make_train_step(
       ``targets`` are ``[M, microbatch, ...]``. With streamed io they stay
       sharded over the stages, so a loss that reduces them (a mean) costs one
       scalar all-reduce and never gathers them.
-    tx: a stage-local transform (`pallasopt.optim.eformer.OptimizerFactory.create`)
-      built with ``stacked_axes=schedule.stacked_axes``.
+    tx: a pallasopt transform (``pallasopt.optim.adamw(...)``, ...; its
+      state is then ``optax.chain(tx)``'s, a 1-tuple) or a stage-local
+      transform (`pallasopt.optim.eformer.OptimizerFactory.create`). One with
+      per-layer math (Adafactor, Muon, Kron) must be built with
+      ``stacked_axes=schedule.stacked_axes``.
     mesh: the device mesh, with `stage_axis` (and `data_axis`).
     schedule: the `CircularSchedule`.
     stage_axis: the mesh axis of the stages.
@@ -358,36 +365,37 @@ def make_train_step(
     A `PipelineTrainStep`.
 
   Raises:
-    TypeError: `tx` has no ``apply_gradients_stage_local``; bad mesh or
-      schedule types.
+    TypeError: `tx` is neither a pallasopt transform nor has
+      ``apply_gradients_stage_local``; bad mesh or schedule types.
     NotImplementedError: `tx` was built without a stage-local path
       (`make_unsupported_stage_local_gradient_transformation`).
-    ValueError: ``tx.metadata.stacked_axes != schedule.stacked_axes``; mesh
+    ValueError: `tx` built for other stacked axes than the schedule's; mesh
       axes missing or of the wrong size; Muon's ``distributed_axes`` naming
       `fsdp_axis` (its devices hold different layers already).
   """
   _check_config(mesh, schedule, stage_axis, data_axis, fsdp_axis)
   if not callable(getattr(tx, "apply_gradients_stage_local", None)):
-    raise TypeError(
-        "tx must be a stage-local transform with apply_gradients_stage_local (build it with"
-        f" pallasopt.optim.eformer.OptimizerFactory.create), got {type(tx).__name__}."
-    )
+    tx = _stage_local(tx, schedule)
   unsupported = getattr(tx.apply_gradients_stage_local, "unsupported_reason", None)
   if unsupported:
     raise NotImplementedError(unsupported)
   metadata = getattr(tx, "metadata", None)
+  fused = getattr(tx, "fused", None)
   stacked_axes = getattr(metadata, "stacked_axes", schedule.stacked_axes)
+  if fused is not None and fused.stacked_axes is not None:
+    stacked_axes = fused.stacked_axes
   if stacked_axes != schedule.stacked_axes:
     raise ValueError(
         f"tx was built with stacked_axes={stacked_axes}, but the pipeline's params are stacked"
         f" {schedule.stacked_shape} (stacked_axes={schedule.stacked_axes}); build it with"
-        f" OptimizerFactory.create(..., stacked_axes={schedule.stacked_axes}) so that the optimizer"
-        " treats the stacked dims as batch dims."
+        f" stacked_axes={schedule.stacked_axes} (or OptimizerFactory.create(...,"
+        f" stacked_axes={schedule.stacked_axes})) so that the optimizer treats the stacked dims"
+        " as batch dims."
     )
-  distributed = getattr(getattr(metadata, "optimizer_config", None), "distributed_axes", None)
-  if fsdp_axis is not None and fsdp_axis in (distributed or ()):
+  distributed = () if fused is None else fused.collective_axes
+  if fsdp_axis is not None and fsdp_axis in distributed:
     raise ValueError(
-        f"the optimizer's distributed_axes={tuple(distributed)} names fsdp_axis {fsdp_axis!r}:"
+        f"the optimizer's distributed_axes={distributed} names fsdp_axis {fsdp_axis!r}:"
         " under FSDP each of its devices updates its own layers, so Newton-Schulz is split"
         " over it already; name only other (data-parallel) axes there."
     )
@@ -395,3 +403,27 @@ def make_train_step(
       stage_fn, loss_fn, tx, mesh, schedule, stage_axis, data_axis, remat, learning_rate_fn,
       fsdp_axis, fsdp_min_size, fsdp_regather,
   )
+
+
+def _stage_local(tx: Any, schedule: CircularSchedule) -> Any:
+  """A plain pallasopt transform as the stage-local step runs it: ``optax.chain(tx)``.
+
+  The chain of one link is the layout `fused_stage_local_apply` reads (no
+  clip, no decay link, no accumulation); its state is ``(tx's state,)``.
+  """
+  fused = fused_update(tx)
+  if fused is None:
+    raise TypeError(
+        "tx must be a pallasopt transform (pallasopt.optim.adamw(...), ...: its fused"
+        " apply_gradients updates each stage in place) or a stage-local transform with"
+        " apply_gradients_stage_local (pallasopt.optim.eformer.OptimizerFactory.create); got"
+        f" {type(tx).__name__}. An optax.chain is neither: clip inside the fused step with"
+        " OptimizerFactory.create(..., clip_grad=...)."
+    )
+  metadata = StageLocalOptimizerMetadata(
+      scheduler=fused.learning_rate, stacked_axes=schedule.stacked_axes
+  )
+  return make_stage_local_gradient_transformation(
+      optax.chain(tx), metadata, fused_stage_local_apply(tx)
+  )
+

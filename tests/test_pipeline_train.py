@@ -17,6 +17,8 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
+import pallasopt
+
 from helpers import assert_close
 from pipeline_model import layer, make_batch, make_layers, mse, placed, reference_step
 from pallasopt.optim.eformer import (
@@ -57,12 +59,21 @@ def stage_mesh(num_stages, data=1, second_axis="data"):
   return Mesh(devices.reshape(num_stages, data), ("stage", second_axis))
 
 
-def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1, fsdp=1):
-  """STEPS pipelined steps against STEPS unpipelined Optax steps; returns the step."""
-  config = CASES[name][0]
+def _factory(name, clip, impl, accumulation):
+  """``build(stacked_axes) -> tx``: the factory's stage-local transform."""
   kwargs = dict(weight_decay=0.01, impl=impl, gradient_accumulation_steps=accumulation)
-  tx, _ = OptimizerFactory.create(name, SCHEDULER, config, stacked_axes=schedule.stacked_axes,
-                                  clip_grad=clip, **kwargs)
+  return lambda stacked_axes: OptimizerFactory.create(
+      name, SCHEDULER, CASES[name][0], stacked_axes=stacked_axes, clip_grad=clip, **kwargs)[0]
+
+
+def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1, fsdp=1,
+                    build=None):
+  """STEPS pipelined steps against STEPS unpipelined Optax steps; returns the step.
+
+  ``build(stacked_axes) -> tx`` replaces the factory's transform of ``name``.
+  """
+  build = build or _factory(name, clip, impl, accumulation)
+  tx = build(schedule.stacked_axes)
   mesh = stage_mesh(schedule.num_stages, max(data, fsdp), "fsdp" if fsdp > 1 else "data")
   stage_fn = layer if schedule.layers_per_stage == 1 else scan_layers(layer)
   # The 8x8 weights are split over the FSDP axis, the 8-element biases stay whole.
@@ -71,8 +82,7 @@ def run_and_compare(name, clip, schedule, *, data=1, impl="xla", accumulation=1,
                          data_axis="data" if data > 1 else None, **fsdp_args)
   layers = make_layers(schedule.num_layers)
   inputs, targets = make_batch(schedule.num_microbatches)
-  ref_tx, _ = OptimizerFactory.create(name, SCHEDULER, config, stacked_axes=1, clip_grad=clip,
-                                      **kwargs)
+  ref_tx = build(1)
   ref_step, ref_state = reference_step(ref_tx, inputs, targets), ref_tx.init(layers)
   params, opt_state, (sharded_inputs, sharded_targets) = placed(step, layers, inputs, targets)
   ref_params, clipped = layers, False
@@ -164,12 +174,39 @@ def test_data_axis():
   assert "all-gather" not in kinds and "collective-permute" in kinds
 
 
+_PLAIN = {
+    "adamw": lambda stacked_axes: pallasopt.optim.adamw(1e-2, b2=0.95, weight_decay=0.01),
+    "muon": lambda stacked_axes: pallasopt.optim.muon(1e-2, stacked_axes=stacked_axes),
+    "adafactor": lambda stacked_axes: pallasopt.optim.adafactor(
+        1e-2, min_dim_size_to_factor=4, momentum=0.9, stacked_axes=stacked_axes),
+}
+
+
+@pytest.mark.parametrize("fsdp", [1, 2])
+@pytest.mark.parametrize("name", list(_PLAIN))
+def test_a_plain_pallasopt_transform_trains_as_its_optax_path(name, fsdp):
+  # No factory: the transform itself, its state optax.chain(tx)'s. AdamW
+  # updates its FSDP slices in place (it is elementwise); Muon and Adafactor
+  # update whole layers, each treating the stacked dims as batch dims.
+  step, _ = run_and_compare(name, None, CircularSchedule(2, 4, 2), fsdp=fsdp, build=_PLAIN[name])
+  assert (step._layer_layout() is None) == (fsdp == 1 or name == "adamw")
+
+
 def test_bad_configurations_raise():
   schedule = CircularSchedule(2, 2, 2)
   mesh = stage_mesh(2)
   tx, _ = OptimizerFactory.create("adamw", stacked_axes=2, impl="xla")
-  with pytest.raises(TypeError, match="tx must be a stage-local transform"):
+  with pytest.raises(TypeError, match="tx must be a pallasopt transform .* got GradientTrans"):
     make_train_step(layer, mse, optax.adam(1e-3), mesh=mesh, schedule=schedule)
+  chained = optax.chain(optax.clip_by_global_norm(1.0), pallasopt.optim.adamw(1e-3))
+  with pytest.raises(TypeError, match="An optax.chain is neither"):
+    make_train_step(layer, mse, chained, mesh=mesh, schedule=schedule)
+  with pytest.raises(ValueError, match=r"tx was built with stacked_axes=0.*build it with stacked_axes=2 "):
+    make_train_step(layer, mse, pallasopt.optim.muon(1e-3), mesh=mesh, schedule=schedule)
+  fsdp_mesh = stage_mesh(2, 2, "fsdp")
+  distributed = pallasopt.optim.muon(1e-3, stacked_axes=2, distributed_axes=("fsdp",))
+  with pytest.raises(ValueError, match="distributed_axes=\\('fsdp',\\) names fsdp_axis"):
+    make_train_step(layer, mse, distributed, mesh=fsdp_mesh, schedule=schedule, fsdp_axis="fsdp")
   wrong, _ = OptimizerFactory.create("adamw", stacked_axes=1, impl="xla")
   with pytest.raises(ValueError, match=r"tx was built with stacked_axes=1.*stacked_axes=2\)"):
     make_train_step(layer, mse, wrong, mesh=mesh, schedule=schedule)

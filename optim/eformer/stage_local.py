@@ -39,6 +39,7 @@ from typing import Any
 import optax
 
 from pallasopt.optim import _validation as v
+from pallasopt.optim._base import FusedUpdate
 from pallasopt.optim._types import Numeric
 
 __all__ = [
@@ -139,6 +140,16 @@ class StageLocalGradientTransformation(optax.GradientTransformationExtraArgs):
     self.metadata = metadata
     self._stage_local_apply = apply_fn
     return self
+
+  @property
+  def fused(self) -> FusedUpdate | None:
+    """The fused entry points of the optimizer its stage-local step runs, if any.
+
+    Set for a step from `fused_stage_local_apply` (its ``stacked_axes`` and
+    ``elementwise`` say how a pipeline may lay out the operands); None for
+    any other ``apply_fn``.
+    """
+    return getattr(self._stage_local_apply, "fused", None)
 
   def apply_gradients_stage_local(
       self,

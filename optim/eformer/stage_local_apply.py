@@ -362,6 +362,8 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
       _delete_arrays(grads)
     return new_params, new_state
 
+  # What the step runs, for callers that lay out its operands (the pipeline).
+  apply_fn.fused = fused
   return apply_fn
 
 

@@ -518,7 +518,10 @@ def muon(
       v.check_same_tree(OWNER, "grads", updates, "opt_state mu", moment_arrays(_state_mu(state)))
     return partition.update(updates, state, params, **extra_args)
 
-  return FusedGradientTransformation(init_fn, update_fn, apply_fn, scaled_update_fn)
+  return FusedGradientTransformation(
+      init_fn, update_fn, apply_fn, scaled_update_fn, stacked_axes=stacked_axes,
+      collective_axes=distributed_axes or (),
+  )
 
 
 def _state_mu(state) -> Any:
