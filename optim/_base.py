@@ -17,6 +17,7 @@ __all__ = [
     "apply_gradients",
     "fused_transformation",
     "chained_transformation",
+    "scaled_grads",
 ]
 
 ApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
@@ -49,6 +50,9 @@ class FusedUpdate:
       pipeline stage's FSDP shard, in place).
     collective_axes: mesh axes the step communicates over itself (Muon's
       ``distributed_axes``): their devices must hold the same layers.
+    layer_indexed: the entry points take ``layer_index_fn``, the global
+      index of each stacked layer of a shard (Kron draws a layer's probe from
+      it), so a sharded step equals the whole one.
   """
 
   update: Callable[..., tuple[optax.Updates, optax.OptState]]
@@ -58,6 +62,7 @@ class FusedUpdate:
   stacked_axes: int | None = None
   elementwise: bool = False
   collective_axes: tuple[str, ...] = ()
+  layer_indexed: bool = False
 
   def __call__(self, updates, state, params=None, **extra_args):
     return self.update(updates, state, params, **extra_args)
@@ -112,14 +117,14 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
       cls, init, update, apply_gradients: ApplyFn | None = None,
       scaled_update: ApplyFn | None = None, learning_rate: ScalarOrSchedule | None = None,
       *, stacked_axes: int | None = None, elementwise: bool = False,
-      collective_axes: tuple[str, ...] = (),
+      collective_axes: tuple[str, ...] = (), layer_indexed: bool = False,
   ):
     # Copies and tree maps rebuild the tuple from (init, update) alone: the
     # entry points are already on ``update`` then.
     if apply_gradients is not None:
       update = FusedUpdate(
           update, apply_gradients, scaled_update, learning_rate, stacked_axes, elementwise,
-          collective_axes,
+          collective_axes, layer_indexed,
       )
     return super().__new__(cls, init, update)
 
@@ -190,9 +195,16 @@ def fused_transformation(
   )
 
 
-def _scaled(grads: optax.Updates, scale: Any) -> optax.Updates:
-  """``scale * grads``, each leaf kept in its dtype."""
-  return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+def scaled_grads(grads: optax.Updates, grad_scale: Any) -> optax.Updates:
+  """``grad_scale * grads``, each leaf kept in its dtype (a tree or one leaf).
+
+  The fused entry points' ``grad_scale`` (a clip factor) where the gradient
+  reaches XLA's math rather than a kernel (which scales it on load). None:
+  the grads as they are.
+  """
+  if grad_scale is None:
+    return grads
+  return jax.tree.map(lambda g: (g * grad_scale).astype(g.dtype), grads)
 
 
 def chained_transformation(
@@ -216,8 +228,7 @@ def chained_transformation(
   chain = optax.chain(*links, lr_tx)
 
   def step(grads, state, params, mode, grad_scale, learning_rate_now):
-    if grad_scale is not None:
-      grads = _scaled(grads, grad_scale)
+    grads = scaled_grads(grads, grad_scale)
     *link_states, lr_state = state
     updates, new_states = grads, []
     for tx, link_state in zip(links, link_states, strict=True):
@@ -288,9 +299,7 @@ def apply_gradients(
   entry = fused_update(tx)
   if entry is not None:
     return entry.apply_gradients(params, grads, opt_state, grad_scale=scale)
-  if scale is not None:
-    grads = _scaled(grads, scale)
-  updates, opt_state = tx.update(grads, opt_state, params)
+  updates, opt_state = tx.update(scaled_grads(grads, scale), opt_state, params)
   return optax.apply_updates(params, updates), opt_state
 
 

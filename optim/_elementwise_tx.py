@@ -56,6 +56,7 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
+    scaled_grads,
     schedule_value,
 )
 from pallasopt.optim._types import MaskOrFn, ScalarOrSchedule
@@ -353,9 +354,7 @@ def fused_leaf_steps(
       key = None if not rounds else (
           rounding.leaf_key(seed, count, index) if by_index else rounding.step_key(seed, count))
       return kernel(p, g, *ms, scalars(decay), key, decay=bool(decay), impl=impl, **options)
-    if grad_scale is not None:
-      g = (g * grad_scale).astype(g.dtype)
-    return optax_fallback(p, g, ms, decay)
+    return optax_fallback(p, scaled_grads(g, grad_scale), ms, decay)
 
   moment_leaves = [jax.tree.leaves(m, is_leaf=is_quantized) for m in moments]
   paths = [path for path, _ in v.keyed_leaves(grads)]

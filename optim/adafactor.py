@@ -26,6 +26,7 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
+    scaled_grads,
     schedule_value,
 )
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
@@ -350,9 +351,8 @@ def adafactor(
             f"{_OWNER}: stacked_axes={stacked_axes} needs float32 or bfloat16 leaves (Optax "
             f"has no stacked_axes to fall back on); got {jnp.result_type(p)}."
         )
-      if grad_scale is not None:
-        g = (g * grad_scale).astype(g.dtype)
-      return optax_leaf(p, g, vr, vc, vf, m, state, d, mode, learning_rate_now, leaf_decay(d))
+      return optax_leaf(p, scaled_grads(g, grad_scale), vr, vc, vf, m, state, d, mode,
+                        learning_rate_now, leaf_decay(d))
 
     paths = [path for path, _ in v.keyed_leaves(grads)]
     results = [

@@ -595,5 +595,6 @@ def kron(
     return step(grads, state, params, "updates", grad_scale, learning_rate, layer_index_fn)
 
   return FusedGradientTransformation(
-      fused.init, fused.update, apply_fn, scaled_update_fn, stacked_axes=core.stacked_axes
+      fused.init, fused.update, apply_fn, scaled_update_fn, stacked_axes=core.stacked_axes,
+      layer_indexed=True,
   )

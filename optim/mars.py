@@ -20,6 +20,7 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
+    scaled_grads,
     schedule_value,
 )
 from pallasopt.optim._elementwise_tx import (
@@ -206,9 +207,7 @@ def mars(
       learning_rate_now = schedule_value(learning_rate, lr_state)
     decay_rate = -learning_rate_now * link_rate
     moments = (mars_state.mu, mars_state.nu, mars_state.mog)
-    gs = jax.tree.leaves(grads)
-    if grad_scale is not None:
-      gs = [(g * grad_scale).astype(g.dtype) for g in gs]
+    gs = jax.tree.leaves(scaled_grads(grads, grad_scale))
     previous = [moment_value(m)
                 for m in jax.tree.leaves(mars_state.mog, is_leaf=is_quantized)]
     clip = _clip_scale(

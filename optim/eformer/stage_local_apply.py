@@ -9,7 +9,6 @@ decay folded into the kernels, gradient accumulation, frozen leaves.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -277,7 +276,7 @@ def fused_stage_local_apply(optimizer: FusedGradientTransformation) -> StageLoca
         f"{_OWNER}: fused_stage_local_apply needs a pallasopt FusedGradientTransformation; "
         f"got {type(optimizer).__name__}."
     )
-  wants_layer_index = "layer_index_fn" in inspect.signature(fused.apply_gradients).parameters
+  wants_layer_index = fused.layer_indexed
 
   def apply_fn(
       *,

@@ -15,7 +15,7 @@ from pallasopt.kernels import ns_coefficients
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.kernels._update import store_moment
 from pallasopt.optim import _validation as v
-from pallasopt.optim._base import FusedGradientTransformation, advance_schedule
+from pallasopt.optim._base import FusedGradientTransformation, advance_schedule, scaled_grads
 from pallasopt.optim._elementwise_tx import (
     check_low_bit_options,
     is_quantized,
@@ -489,9 +489,7 @@ def muon(
       adam_out, adam_state = adam_tx.scaled_update(
           mask(grads, "adam"), inner["adam"].inner_state, mask(params, "adam"), **options
       )
-    muon_grads = mask(grads, "muon")
-    if grad_scale is not None:
-      muon_grads = jax.tree.map(lambda g: (g * grad_scale).astype(g.dtype), muon_grads)
+    muon_grads = scaled_grads(mask(grads, "muon"), grad_scale)
     muon_params = mask(params, "muon")
     muon_out, muon_state = chain_update(
         muon_grads, inner["muon"].inner_state, muon_params, learning_rate
