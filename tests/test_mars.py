@@ -1,4 +1,4 @@
-"""MARS: the kernel against its reference, the drop-in against eFormer's numbers.
+"""MARS: the kernel-family contract, the drop-in against eFormer's numbers.
 
 ``tests/data/eformer_mars.json`` holds a trajectory recorded with eFormer
 0.0.101's ``eformer.optimizers._tx.mars`` (5 steps of ``mars`` on a two-leaf
@@ -16,19 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import strategies as st
 
-from helpers import (
-    CUSTOM_CALL,
-    ELEMENTWISE_KERNEL_CASES,
-    assert_close,
-    assert_nearly_same_codes,
-    assert_trees_close,
-    lowered_text,
-    random_array,
-    sds,
-    tolerance,
-)
+from helpers import assert_close, assert_nearly_same_codes, assert_trees_close, random_array
+from kernel_contract import KernelContract
 from pallasopt.kernels import mars as mars_k
 from pallasopt.kernels import quant
 from pallasopt.optim import Int8Blockwise, RatioBlockwise, RootBlockwise
@@ -37,41 +28,24 @@ from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
 _RECORDED = json.loads((pathlib.Path(__file__).parent / "data" / "eformer_mars.json").read_text())
 
 
-@settings(deadline=None)
-@given(**ELEMENTWISE_KERNEL_CASES, clip=st.sampled_from([1.0, 0.25]))
-def test_kernel_equals_reference_over_steps(
-    shape, param_dtype, grad_dtype, mu_dtype, mode, decay, backend, seed, clip
-):
-  # decay: a weight-decay link folded after MARS (u + r p).
-  rng = np.random.default_rng(seed)
-  p = random_array(rng, shape, param_dtype)
-  mu = random_array(rng, shape, mu_dtype, scale=0.1)
-  nu = random_array(rng, shape, param_dtype, positive=True, scale=0.1)
-  mog = random_array(rng, shape, mu_dtype)
-  # Jitted once: the step's scalars are kernel inputs, so the steps reuse it.
-  kernel = jax.jit(lambda *args: mars_k.mars_kernel(
-      *args, mode=mode, decay=decay, backend=backend, interpret=True))
-  for step in range(1, 4):
-    g = random_array(rng, shape, grad_dtype)
-    s = mars_k.mars_scalars(step, 1e-2, 0.95, 0.99, 0.025, 1e-8, 0.0, clip_scale=clip,
-                            grad_scale=0.5, decay_rate=-1e-3)
-    want = mars_k.mars_reference(p, g, mu, nu, mog, s, mode=mode, decay=decay)
-    got = kernel(p, g, mu, nu, mog, s)
-    for a, b in zip(got, want):
-      assert a.dtype == b.dtype
-      assert_close(a, b, tolerance(a.dtype), err_msg=f"step {step}", operands=(p,))
-    mu, nu, mog = want[1:]
-    if mode == "apply":
-      p = want[0]
+class TestMarsKernel(KernelContract):
+  kernel = staticmethod(mars_k.mars_kernel)
+  reference = staticmethod(mars_k.mars_reference)
+  apply = staticmethod(mars_k.mars_apply)
+  updates = staticmethod(mars_k.mars_updates)
+  flops_per_element, transcendentals_per_element = mars_k.FLOPS_PER_ELEMENT, 1
+  options = st.fixed_dictionaries({"clip": st.sampled_from([1.0, 0.25])})
+  simple_options = {"clip": 1.0}
 
+  def moments(self, rng, shape, dtype, moment_dtype, options):
+    return (random_array(rng, shape, moment_dtype, scale=0.1),
+            random_array(rng, shape, dtype, positive=True, scale=0.1),
+            random_array(rng, shape, moment_dtype))
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("shape", [(), (7,), (37, 128), (1_000_003,), (4096, 1024)], ids=str)
-def test_kernel_lowers(platform, shape):
-  p = sds(shape)
-  s = mars_k.mars_scalars(jnp.int32(2), 1e-3, 0.9, 0.999, 0.05, 1e-8, 0.0)
-  fn = lambda p, g, s: mars_k.mars_apply(p, g, p, p, p, s, impl="pallas")
-  assert lowered_text(fn, platform, p, p, s).count(CUSTOM_CALL[platform]) == 1
+  def scalars(self, step, options):
+    # decay: a weight-decay link folded after MARS (u + r p).
+    return mars_k.mars_scalars(step, 1e-2, 0.95, 0.99, 0.025, 1e-8, 0.0,
+                               clip_scale=options["clip"], grad_scale=0.5, decay_rate=-1e-3)
 
 
 def _params():

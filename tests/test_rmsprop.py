@@ -1,4 +1,4 @@
-"""RMSProp: the kernel against its reference, the drop-in against `optax.rmsprop`.
+"""RMSProp: the kernel-family contract, the drop-in against `optax.rmsprop`.
 
 Optax's own alias tests run against the drop-in in tests/test_optax_suites.py.
 """
@@ -10,19 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import strategies as st
 
 import pallasopt
-from helpers import (
-    CUSTOM_CALL,
-    ELEMENTWISE_KERNEL_CASES,
-    assert_close,
-    assert_trees_close,
-    lowered_text,
-    random_array,
-    sds,
-    tolerance,
-)
+from helpers import assert_trees_close, random_array
+from kernel_contract import KernelContract
 from pallasopt.kernels import rmsprop as rmsprop_k
 from pallasopt.optim import Int8Blockwise, RootBlockwise
 
@@ -36,59 +28,39 @@ def _moments(rng, shape, dtype, *, centered, momentum):
   return (mu,) * centered + (nu,) + (trace,) * momentum
 
 
-@settings(deadline=None)
-@given(
-    **ELEMENTWISE_KERNEL_CASES,
-    centered=st.booleans(),
-    momentum=st.booleans(),
-    nesterov=st.booleans(),
-    eps_in_sqrt=st.booleans(),
-    bias_correction=st.booleans(),
-)
-def test_kernel_equals_reference_over_steps(
-    shape, param_dtype, grad_dtype, mu_dtype, mode, decay, backend, seed, centered, momentum,
-    nesterov, eps_in_sqrt, bias_correction,
-):
-  # decay: a weight-decay link folded after RMSProp (u + r p).
-  rng = np.random.default_rng(seed)
-  p = random_array(rng, shape, param_dtype)
-  moments = _moments(rng, shape, mu_dtype, centered=centered, momentum=momentum)
-  if bias_correction:
-    # Bias correction is exact only from the zero state (step 1 divides by
-    # 1 - decay); centered, it then meets g^2 - g^2 = 0 under the root, which
-    # rounding may make negative: NaN in Optax too unless eps is inside.
-    assume(not (centered and not eps_in_sqrt))
-    moments = tuple(jnp.zeros_like(m) for m in moments)
-  config = dict(mode=mode, centered=centered, eps_in_sqrt=eps_in_sqrt, nesterov=nesterov,
-                decay=decay)
-  # Jitted once: the step's scalars are kernel inputs, so the steps reuse it.
-  kernel = jax.jit(lambda *args: rmsprop_k.rmsprop_kernel(
-      *args, **config, backend=backend, interpret=True))
-  for step in range(1, 4):
-    g = random_array(rng, shape, grad_dtype)
-    s = rmsprop_k.rmsprop_scalars(
-        1e-2, 0.9, 1e-2, count=step if bias_correction else None,
-        momentum=0.9 if momentum else None, grad_scale=0.5, decay_rate=-1e-3,
+class TestRMSPropKernel(KernelContract):
+  kernel = staticmethod(rmsprop_k.rmsprop_kernel)
+  reference = staticmethod(rmsprop_k.rmsprop_reference)
+  apply = staticmethod(rmsprop_k.rmsprop_apply)
+  updates = staticmethod(rmsprop_k.rmsprop_updates)
+  flops_per_element, transcendentals_per_element = rmsprop_k.FLOPS_PER_ELEMENT, 1
+  # Bias correction is exact only from the zero state (step 1 divides by
+  # 1 - decay); centered, it then meets g^2 - g^2 = 0 under the root, which
+  # rounding may make negative: NaN in Optax too unless eps is inside.
+  options = st.fixed_dictionaries({
+      "centered": st.booleans(), "momentum": st.booleans(), "nesterov": st.booleans(),
+      "eps_in_sqrt": st.booleans(), "bias_correction": st.booleans(),
+  }).filter(lambda o: not (o["bias_correction"] and o["centered"] and not o["eps_in_sqrt"]))
+  simple_options = dict(centered=True, momentum=True, nesterov=False, eps_in_sqrt=True,
+                        bias_correction=False)
+  kernel_keywords = ("centered", "eps_in_sqrt", "nesterov")
+
+  def moments(self, rng, shape, dtype, moment_dtype, options):
+    moments = _moments(rng, shape, moment_dtype, centered=options["centered"],
+                       momentum=options["momentum"])
+    if options["bias_correction"]:
+      return tuple(jnp.zeros_like(m) for m in moments)
+    return moments
+
+  def scalars(self, step, options):
+    # decay: a weight-decay link folded after RMSProp (u + r p).
+    return rmsprop_k.rmsprop_scalars(
+        1e-2, 0.9, 1e-2, count=step if options["bias_correction"] else None,
+        momentum=0.9 if options["momentum"] else None, grad_scale=0.5, decay_rate=-1e-3,
     )
-    want = rmsprop_k.rmsprop_reference(p, g, moments, s, **config)
-    got = kernel(p, g, moments, s)
-    for a, b in zip(got, want):
-      assert a.dtype == b.dtype
-      assert_close(a, b, tolerance(a.dtype), err_msg=f"step {step}", operands=(p,))
-    moments = want[1:]
-    if mode == "apply":
-      p = want[0]
 
-
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("shape", [(), (7,), (37, 128), (1_000_003,), (4096, 1024)], ids=str)
-@pytest.mark.parametrize("centered,momentum", [(False, False), (True, True)])
-def test_kernel_lowers(platform, shape, centered, momentum):
-  p = sds(shape)
-  moments = (p,) * (1 + centered + momentum)
-  s = rmsprop_k.rmsprop_scalars(1e-3, 0.9, 1e-8, count=jnp.int32(2), momentum=0.9)
-  fn = lambda p, g, ms, s: rmsprop_k.rmsprop_apply(p, g, ms, s, centered=centered, impl="pallas")
-  assert lowered_text(fn, platform, p, p, moments, s).count(CUSTOM_CALL[platform]) == 1
+  def call(self, fn, p, g, moments, scalars, **kwargs):
+    return fn(p, g, tuple(moments), scalars, **kwargs)
 
 
 CONFIGS = [

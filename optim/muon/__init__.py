@@ -48,7 +48,9 @@ from pallasopt.optim.muon._options import (
     MuonSecondMomentState,
     shape_scale,
 )
-from pallasopt.optim.muon._transform import MuonDimensionNumbers, MuonState, muon
+from optax.contrib import MuonDimensionNumbers, MuonState
+
+from pallasopt.optim.muon._transform import muon
 
 __all__ = [
     "muon",

@@ -1,32 +1,25 @@
-"""`muon`: the drop-in for `optax.contrib.muon` built from its parts."""
+"""`muon`: the drop-in for `optax.contrib.muon` built from its parts.
 
-import functools
+The Muon leaves' step is `_chain.MuonChain` (its options `_chain.MuonOptions`);
+the other leaves take the fused AdamW; ``optax.partition`` routes them, so the
+state is Optax's.
+"""
+
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from optax.contrib import MuonDimensionNumbers, MuonState
 
-from pallasopt.kernels import ns_coefficients
 from pallasopt.kernels._dispatch import resolve_impl
-from pallasopt.kernels._update import store_moment
 from pallasopt.optim import _validation as v
-from pallasopt.optim._base import FusedGradientTransformation, advance_schedule, scaled_grads
-from pallasopt.optim._elementwise_tx import (
-    check_low_bit_options,
-    is_quantized,
-    moment_arrays,
-    moment_value,
-    momentum_rounding,
-    stored_moment,
-)
+from pallasopt.optim._base import FusedGradientTransformation, scaled_grads
+from pallasopt.optim._elementwise_tx import check_low_bit_options, is_quantized, moment_arrays
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 from pallasopt.optim.adamw import adamw
-from pallasopt.optim.muon._layout import Layout, Spec, broadcast_prefix, is_spec_leaf, split_parts
+from pallasopt.optim.muon._chain import MuonChain, MuonOptions
 from pallasopt.optim.muon._options import (
     DEFAULT_NS_COEFFS,
     MOMENTUM_STYLES,
@@ -34,10 +27,8 @@ from pallasopt.optim.muon._options import (
     PRECONDITIONINGS,
     SCALE_MODES,
     SECOND_MOMENTS,
-    MuonSecondMomentState,
-    shape_scale,
 )
-from pallasopt.optim.muon._orthogonalize import compute_dtype, orthogonalize_all, resolve_coeffs
+from pallasopt.optim.muon._orthogonalize import resolve_coeffs
 
 
 def muon(
@@ -285,178 +276,29 @@ def muon(
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
-  def specs_of(tree) -> list[Spec]:
-    leaves = v.keyed_leaves(tree)
-    if muon_weight_dimension_numbers is None:
-      v.check_stacked_axes(OWNER, tree, stacked_axes)
-      dims = MuonDimensionNumbers(stacked_axes, stacked_axes + 1)
-      chosen = [dims if jnp.ndim(x) == 2 + stacked_axes else None for _, x in leaves]
-    else:
-      spec = muon_weight_dimension_numbers
-      spec = spec(tree) if callable(spec) else spec
-      chosen = broadcast_prefix("muon_weight_dimension_numbers", spec, tree, is_spec_leaf)
-      chosen = [None if isinstance(d, optax.MaskedNode) else d for d in chosen]
-    if adamw_predicate is not None:
-      chosen = [None if adamw_predicate(p, x) else d for (p, x), d in zip(leaves, chosen)]
-    if qkv_split_shapes is None:
-      splits = [None] * len(leaves)
-    else:
-      split = qkv_split_shapes(tree) if callable(qkv_split_shapes) else qkv_split_shapes
-      is_split = lambda x: x is None or (isinstance(x, tuple) and all(isinstance(i, int) for i in x))
-      splits = broadcast_prefix("qkv_split_shapes", split, tree, is_split)
-    return [Spec(d, s if d is not None else None) for d, s in zip(chosen, splits)]
-
-  def param_labels(tree):
-    return jax.tree.unflatten(jax.tree.structure(tree), [s.label for s in specs_of(tree)])
-
-  decay_tx = optax.add_decayed_weights(weight_decay, weight_decay_mask)
-  lr_tx = optax.scale_by_learning_rate(learning_rate)
-
-  def layouts_of(tree):
-    return [
-        (Layout.of(jnp.shape(x), s.dims, p), s)
-        for (p, x), s in zip(v.keyed_leaves(tree), specs_of(tree))
-    ]
-
-  def second_moment_init(layout: Layout):
-    b, r, o = layout.flat
-    if second_moment == "adamuon":
-      shape = (b, r, o)
-    elif second_moment == "normuon":
-      shape = (b, 1, o) if o >= r else (b, r, 1)
-    else:
-      shape = (b,)
-    return jnp.zeros(shape, jnp.float32)
-
-  def chain_init(params):
-    mu = jax.tree.map(
-        lambda p: stored_moment(
-            jnp.zeros(jnp.shape(p), jnp.float32), p, state_format=state_format, dtype=mu_dtype,
-        ),
-        params,
-    )
-    state = (
-        MuonState(count=jnp.zeros([], jnp.int32), mu=mu, ns_coeffs=jnp.asarray(init_coeffs)),
-        optax.EmptyState(),
-        decay_tx.init(params),
-        lr_tx.init(params),
-    )
-    if second_moment is not None:
-      nu = [second_moment_init(layout) for layout, _ in layouts_of(params)]
-      state += (MuonSecondMomentState(jax.tree.unflatten(jax.tree.structure(params), nu)),)
-    return state
-
-  def momentum_step(g, m, count, leaf):
-    # f32 at least; float64 and complex leaves keep their precision (Optax's).
-    dtype = compute_dtype(g)
-    real = jnp.finfo(dtype).dtype
-    corrected = lambda x, t: x / jnp.asarray(1 - beta**t, real)
-    g32, m32 = g.astype(dtype), moment_value(m).astype(dtype)
-    m_new = (1 - beta) * g32 + beta * m32
-    if momentum == "lerp":
-      hat = (1 - beta) * g32 + beta * m_new if nesterov else m_new
-    elif nesterov:
-      hat = beta * corrected(m_new, count + 1) + (1 - beta) * corrected(g32, count)
-    else:
-      hat = corrected(m_new, count)
-    rounding = momentum_rounding(state_format, seed, count, leaf, jnp.shape(g))
-    return hat.astype(dtype), store_moment(m_new, m, **rounding)
-
-  def scale_vector(layout: Layout, spec: Spec, parts):
-    """Per-output-column scale (one value per part), broadcast on (b, r, o)."""
-    _, fan_in, fan_out = layout.flat
-    if spec.split is None:
-      return scale_of(*parts[0])
-    groups = fan_out // sum(spec.split)
-    cols = [jnp.full((groups, s), scale_of(*shape)) for s, shape in zip(spec.split, parts)]
-    return jnp.concatenate(cols, axis=1).reshape(fan_out)
-
-  def scale_of(fan_in, fan_out):
-    if scale_mode is not None:
-      return shape_scale(fan_in, fan_out, scale_mode) * extra_scale_factor
-    if consistent_rms is not None:
-      return math.sqrt(max(fan_in, fan_out)) * consistent_rms
-    return shape_scale(fan_in, fan_out, "shape_scaling")
-
-  def normalize(o, nu, g, hat):
-    """The ``second_moment`` normalization of ``o`` (all (b, r, o) f32)."""
-    if second_moment == "adamuon":
-      nu = beta2 * nu + (1 - beta2) * o * o
-      return o / (jnp.sqrt(nu) + second_moment_eps), nu
-    if second_moment == "normuon":
-      axis = 1 if o.shape[2] >= o.shape[1] else 2
-      nu = beta2 * nu + (1 - beta2) * jnp.mean(o * o, axis=axis, keepdims=True)
-      return o * jax.lax.rsqrt(jnp.maximum(nu, second_moment_eps)), nu
-    nu = beta2 * nu + (1 - beta2) * jnp.sum(g * g, axis=(1, 2))
-    alpha = jnp.sqrt(jnp.sum(hat * hat, axis=(1, 2))) / (jnp.sqrt(nu) + second_moment_eps)
-    return o * alpha[:, None, None], nu
-
-  def chain_update(updates, state, params=None, learning_rate_now=None):
-    muon_state, shape_state, decay_state, lr_state = state[:4]
-    v.check_same_tree(OWNER, "grads", updates, "opt_state mu", moment_arrays(muon_state.mu))
-    treedef = jax.tree.structure(updates)
-    grads = jax.tree.leaves(updates)
-    count = optax.safe_increment(muon_state.count)
-    mus = jax.tree.leaves(muon_state.mu, is_leaf=is_quantized)
-    stepped = [momentum_step(g, m, count, i) for i, (g, m) in enumerate(zip(grads, mus))]
-    hats, mus = [h for h, _ in stepped], [m for _, m in stepped]
-    layouts = layouts_of(updates)
-    splitters, stacks, owners = [], [], []
-    for (path, _), hat, (layout, spec) in zip(v.keyed_leaves(updates), hats, layouts):
-      splitter = split_parts(layout.flat, spec.split, blockwise, path)
-      parts = splitter[0](layout.to_flat(hat))
-      splitters.append(splitter)
-      owners.append(len(parts))
-      stacks.extend(parts)
-    orthogonalize = functools.partial(
-        orthogonalize_all, preconditioning=preconditioning, eps=eps, iter_dtype=iter_dtype,
-        gram_levels=gram_levels, impl=impl, distributed_axes=distributed_axes,
-    )
-    if traced_steps:
-      results = orthogonalize(stacks, None, optax_coeffs=(muon_state.ns_coeffs, ns_steps))
-    else:
-      table = ns_coefficients.coefficient_table(muon_state.ns_coeffs, table_steps)
-      results = orthogonalize(stacks, table, optax_coeffs=(table, table.shape[0]))
-    nus = jax.tree.leaves(state[4].nu) if second_moment is not None else [None] * len(grads)
-    new_nus, outs, start = [], [], 0
-    for hat, g, nu, (layout, spec), (_, merge, part_shapes), n in zip(
-        hats, grads, nus, layouts, splitters, owners
-    ):
-      o = merge(results[start:start + n]).astype(compute_dtype(g))
-      start += n
-      if second_moment is not None:
-        o, nu = normalize(o, nu, layout.to_flat(g.astype(jnp.float32)), layout.to_flat(hat))
-        new_nus.append(nu)
-      if adaptive:
-        o = jnp.sum(layout.to_flat(hat).conj() * o) * o
-      o = o * scale_vector(layout, spec, part_shapes)
-      outs.append(layout.from_flat(o).astype(g.dtype))
-    out_tree = treedef.unflatten(outs)
-    out_tree, decay_state = decay_tx.update(out_tree, decay_state, params)
-    if learning_rate_now is None:
-      out_tree, lr_state = lr_tx.update(out_tree, lr_state)
-    else:
-      out_tree = jax.tree.map(lambda u: -learning_rate_now * u, out_tree)
-      lr_state = advance_schedule(lr_state)
-    new_state = (
-        MuonState(count=count, mu=treedef.unflatten(mus), ns_coeffs=muon_state.ns_coeffs),
-        shape_state,
-        decay_state,
-        lr_state,
-    )
-    if second_moment is not None:
-      new_state += (MuonSecondMomentState(treedef.unflatten(new_nus)),)
-    return out_tree, new_state
+  chain = MuonChain(MuonOptions(
+      learning_rate=learning_rate, ns_steps=ns_steps, beta=beta, eps=eps,
+      weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, mu_dtype=mu_dtype,
+      nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
+      muon_weight_dimension_numbers=muon_weight_dimension_numbers,
+      consistent_rms=consistent_rms, impl=impl, stacked_axes=stacked_axes,
+      iter_dtype=iter_dtype, gram_levels=gram_levels, scale_mode=scale_mode,
+      extra_scale_factor=extra_scale_factor, momentum=momentum, second_moment=second_moment,
+      beta2=beta2, second_moment_eps=second_moment_eps, qkv_split_shapes=qkv_split_shapes,
+      adamw_predicate=adamw_predicate, blockwise=blockwise, distributed_axes=distributed_axes,
+      state_format=state_format, seed=seed, init_coeffs=init_coeffs, table_steps=table_steps,
+      traced_steps=traced_steps,
+  ))
 
   muon_tx = optax.GradientTransformationExtraArgs(
-      chain_init, lambda u, s, p=None, **extra: chain_update(u, s, p)
+      chain.init, lambda u, s, p=None, **extra: chain.update(u, s, p)
   )
   adam_tx = adamw(
       adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps, eps_root=adam_eps_root,
       mu_dtype=mu_dtype, weight_decay=adam_weight_decay, nesterov=nesterov,
       state_format=state_format, seed=seed, impl=impl,
   )
-  partition = optax.partition({"muon": muon_tx, "adam": adam_tx}, param_labels)
+  partition = optax.partition({"muon": muon_tx, "adam": adam_tx}, chain.labels)
 
   def init_fn(params):
     return partition.init(params)
@@ -468,7 +310,7 @@ def muon(
     """
     if params is not None:
       v.check_same_tree(OWNER, "grads", grads, "params", params)
-    labels = jax.tree.leaves(param_labels(grads))
+    labels = jax.tree.leaves(chain.labels(grads))
     treedef = jax.tree.structure(grads)
 
     def mask(tree, group):
@@ -491,7 +333,7 @@ def muon(
       )
     muon_grads = scaled_grads(mask(grads, "muon"), grad_scale)
     muon_params = mask(params, "muon")
-    muon_out, muon_state = chain_update(
+    muon_out, muon_state = chain.update(
         muon_grads, inner["muon"].inner_state, muon_params, learning_rate
     )
     if mode == "apply":
