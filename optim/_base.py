@@ -160,10 +160,12 @@ def _entry_points(tx: FusedGradientTransformation) -> FusedUpdate:
 
 def fused_transformation(
     init_fn: Callable[[optax.Params], optax.OptState], step: Callable[..., Any],
-    learning_rate: ScalarOrSchedule | None = None, *, stacked_axes: int | None = None,
-    elementwise: bool = False,
+    learning_rate: ScalarOrSchedule | None = None, *,
+    update: Callable[..., tuple[optax.Updates, optax.OptState]] | None = None,
+    stacked_axes: int | None = None, elementwise: bool = False,
+    collective_axes: tuple[str, ...] = (), layer_indexed: bool = False,
 ) -> FusedGradientTransformation:
-  """A `FusedGradientTransformation` whose two paths share one ``step``.
+  """A `FusedGradientTransformation` whose paths share one ``step``: every transform's builder.
 
   Args:
     init_fn: Optax ``init``.
@@ -174,7 +176,10 @@ def fused_transformation(
       Keywords given to the fused entry points (``decay_link``) are passed on.
     learning_rate: the transform's learning rate, when ``step`` takes
       ``decay_link`` (see `FusedGradientTransformation`).
-    stacked_axes, elementwise: see `FusedUpdate`.
+    update: the Optax ``update``, where it is not ``step``'s ``"updates"``
+      mode (Muon keeps ``optax.partition``'s, Optax's own path).
+    stacked_axes, elementwise, collective_axes, layer_indexed: see
+      `FusedUpdate`.
   """
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -190,8 +195,9 @@ def fused_transformation(
     return step(grads, state, params, "updates", grad_scale, learning_rate, **options)
 
   return FusedGradientTransformation(
-      init_fn, update_fn, apply_fn, scaled_update_fn, learning_rate=learning_rate,
-      stacked_axes=stacked_axes, elementwise=elementwise,
+      init_fn, update or update_fn, apply_fn, scaled_update_fn, learning_rate=learning_rate,
+      stacked_axes=stacked_axes, elementwise=elementwise, collective_axes=collective_axes,
+      layer_indexed=layer_indexed,
   )
 
 

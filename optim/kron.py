@@ -584,17 +584,6 @@ def kron(
     )
     return first, (kron_state, *decay_state, advance_schedule(lr_state))
 
-  fused = fused_transformation(init_fn, step)
-
-  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None, layer_index_fn=None):
-    return step(grads, state, params, "apply", grad_scale, learning_rate, layer_index_fn)
-
-  def scaled_update_fn(
-      grads, state, params=None, *, grad_scale=None, learning_rate=None, layer_index_fn=None
-  ):
-    return step(grads, state, params, "updates", grad_scale, learning_rate, layer_index_fn)
-
-  return FusedGradientTransformation(
-      fused.init, fused.update, apply_fn, scaled_update_fn, stacked_axes=core.stacked_axes,
-      layer_indexed=True,
+  return fused_transformation(
+      init_fn, step, stacked_axes=core.stacked_axes, layer_indexed=True
   )

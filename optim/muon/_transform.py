@@ -15,7 +15,7 @@ import optax
 
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.optim import _validation as v
-from pallasopt.optim._base import FusedGradientTransformation, scaled_grads
+from pallasopt.optim._base import FusedGradientTransformation, fused_transformation, scaled_grads
 from pallasopt.optim._elementwise_tx import check_low_bit_options, is_quantized, moment_arrays
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 from pallasopt.optim.adamw import adamw
@@ -300,10 +300,7 @@ def muon(
   )
   partition = optax.partition({"muon": muon_tx, "adam": adam_tx}, chain.labels)
 
-  def init_fn(params):
-    return partition.init(params)
-
-  def fused_step(params, grads, state, mode, grad_scale, learning_rate):
+  def step(grads, state, params, mode, grad_scale, learning_rate):
     """Both partitions: the AdamW part fused, the Muon part by its chain.
 
     ``mode="apply"`` returns the new params, ``"updates"`` the updates.
@@ -345,12 +342,6 @@ def muon(
     )
     return out, new_state
 
-  def apply_fn(params, grads, state, *, grad_scale=None, learning_rate=None):
-    return fused_step(params, grads, state, "apply", grad_scale, learning_rate)
-
-  def scaled_update_fn(grads, state, params=None, *, grad_scale=None, learning_rate=None):
-    return fused_step(params, grads, state, "updates", grad_scale, learning_rate)
-
   def update_fn(updates, state, params=None, **extra_args):
     if params is not None:
       v.check_same_tree(OWNER, "grads", updates, "params", params)
@@ -358,8 +349,8 @@ def muon(
       v.check_same_tree(OWNER, "grads", updates, "opt_state mu", moment_arrays(_state_mu(state)))
     return partition.update(updates, state, params, **extra_args)
 
-  return FusedGradientTransformation(
-      init_fn, update_fn, apply_fn, scaled_update_fn, stacked_axes=stacked_axes,
+  return fused_transformation(
+      partition.init, step, update=update_fn, stacked_axes=stacked_axes,
       collective_axes=distributed_axes or (),
   )
 
