@@ -6,16 +6,12 @@ kernel, reference and entry points, the options its property test draws
 per-step scalars follow from them; pytest then runs every test below for it::
 
   class TestLionKernel(KernelContract):
-    kernel = staticmethod(lion_k.lion_kernel)
-    reference = staticmethod(lion_k.lion_reference)
-    apply = staticmethod(lion_k.lion_apply)
-    updates = staticmethod(lion_k.lion_updates)
-    flops_per_element, transcendentals_per_element = lion_k.FLOPS_PER_ELEMENT, 0
-    options = st.fixed_dictionaries({"learning_rate": st.floats(1e-5, 1.0), ...})
-    simple_options = {"learning_rate": 1e-2, ...}
-
+    kernel, reference = ..., ...         # and its entry points, cost per element
+    options = st.fixed_dictionaries(...)  # what the property test draws
     def moments(self, rng, shape, dtype, moment_dtype, options): ...
     def scalars(self, step, options): ...
+
+(tests/test_lion_kernel.py in full).
 
 The family's kernel takes ``(p, g, *moments, scalars, key=None, *, mode,
 decay, backend, interpret, **options)`` (RMSProp: its moments as one tuple,
