@@ -582,12 +582,12 @@ def test_stage_local_path_runs_low_bit_state(name, config):
     assert_close(got_params[k], want_params[k], tolerance(params[k].dtype), k)
 
 
-def test_digits_convergence_with_low_bit_state():
+def test_digits_convergence_with_bf16_params_and_int8_state():
   # scikit-learn's digits (1797 8x8 images), a 64-256-10 tanh MLP, 150
-  # full-batch AdamW steps. Acceptance: int8, fp8 and bf16 state, and bf16
-  # params with stochastic rounding and int8 state, reach Optax's f32-state
-  # loss within 2% (not above 1.02x it). Measured (jax 0.10.2, CPU): f32
-  # 0.04168, int8 0.04025, fp8 0.04146, bf16 0.04169, bf16 params + int8 0.04005.
+  # full-batch AdamW steps: bf16 params rounded stochastically with int8
+  # state reach Optax's f32 loss within 2% (not above 1.02x it). Measured
+  # (jax 0.10.2, CPU): f32 0.04168, bf16 params + int8 0.04005. (Every state
+  # format with f32 params: tests/test_low_bit_updates.py, step by step.)
   init, loss = digits_mlp(256)
 
   def final_loss(tx, params):
@@ -601,16 +601,11 @@ def test_digits_convergence_with_low_bit_state():
     return float(loss(p))
 
   f32 = final_loss(optax.adamw(3e-3), init)
-  int8 = final_loss(pallasopt.optim.adamw(3e-3, state_format="int8"), init)
-  fp8 = final_loss(pallasopt.optim.adamw(3e-3, state_format="fp8"), init)
-  bf16 = final_loss(pallasopt.optim.adamw(3e-3, state_format="bf16"), init)
   bf16_params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), init)
   pure_bf16 = final_loss(
       pallasopt.optim.adamw(3e-3, state_format="int8", param_rounding="stochastic"), bf16_params)
   assert f32 < 0.2 * float(loss(init))
-  for name, value in (("int8", int8), ("fp8", fp8), ("bf16", bf16),
-                      ("bf16 params + int8", pure_bf16)):
-    assert value <= 1.02 * f32, (name, f32, value)
+  assert pure_bf16 <= 1.02 * f32, (f32, pure_bf16)
 
 
 @pytest.mark.parametrize(

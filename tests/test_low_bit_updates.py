@@ -22,6 +22,8 @@ reference update seen so far. RMSProp's update :math:`g / \\sqrt v` carries
 the root's factor only.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +50,23 @@ FORMATS = ["int8", "fp8", "int4"]
 # and bf16 measure 1.00-1.02x); int4 is held to its maps' bound (1.50x) and
 # measures 1.064x (`bench.low_bit`): its root map's steps of up to 1/4.
 _SPIKE_BOUND = {"int8": 1.05, "fp8": 1.05, "bf16": 1.05, "int4": _ADAM_BOUND["int4"]}
+_SEQUENCES = {sequence.__name__: sequence for sequence in (
+    spike_gradients, random_signs, vanishing, sparse_bursts)}
+
+
+# The references, the same for every format: computed once per run.
+@functools.cache
+def _reference_largest(family: str, sequence: str) -> np.ndarray:
+  """Per step, the largest |update| / lr of ``family`` with f32 state on a sequence."""
+  reference = {"optax-adamw": optax.adamw, "optax-rmsprop": optax.rmsprop}.get(
+      family, getattr(pallasopt.optim, family))
+  return largest_updates(reference(LR), _SEQUENCES[sequence](), SPIKE_PARAMS)
+
+
+@functools.cache
+def _reference_digits(family: str) -> tuple[float, float]:
+  """Digits' final loss and largest step with f32 state: Optax's AdamW, or Muon."""
+  return digits_run(optax.adamw(LR) if family == "adamw" else pallasopt.optim.muon(3e-3))
 
 
 @pytest.mark.parametrize("fmt", [*FORMATS, "bf16"])
@@ -57,14 +76,13 @@ def test_the_spike_test_moves_no_weight_further_than_optax(fmt, low):
   # 10^low in each row (a block), AdamW(1e-3), 20 steps: Optax moves every
   # weight by lr each step. Before 2026-11-26 int8 state moved 1696 of them
   # by more than 2 lr at step 20 (7.0 lr at most), fp8 1920 (8.0 lr).
-  grads = spike_gradients(low)
-  want = largest_updates(optax.adamw(LR), grads, SPIKE_PARAMS)
-  got = largest_updates(pallasopt.optim.adamw(LR, state_format=fmt), grads, SPIKE_PARAMS)
-  assert got.max() <= _SPIKE_BOUND[fmt] * want.max(), (got, want)
+  want = largest_updates(optax.adamw(LR), spike_gradients(low), SPIKE_PARAMS)
   tx = pallasopt.optim.adamw(LR, state_format=fmt)
-  update, state = jax.jit(tx.update), tx.init(SPIKE_PARAMS)
-  for g in grads:
+  update, state, got = jax.jit(tx.update), tx.init(SPIKE_PARAMS), []
+  for g in spike_gradients(low):
     u, state = update(g, state, SPIKE_PARAMS)
+    got.append(float(jnp.max(jnp.abs(u["w"]))) / LR)
+  assert max(got) <= _SPIKE_BOUND[fmt] * want.max(), (got, want)
   assert int(jnp.sum(jnp.abs(u["w"]) > 2 * LR)) == 0
 
 
@@ -76,10 +94,9 @@ def test_no_step_outgrows_the_reference_by_more_than_the_maps_allow(family, grad
   # Every step's largest update is within the bound of the module docstring
   # of the largest reference update so far (the reference: the same
   # transform with f32 state, which the drop-in tests hold to Optax's).
-  sequence = grads()
+  want = np.maximum.accumulate(_reference_largest(family, grads.__name__))
   make = getattr(pallasopt.optim, family)
-  want = np.maximum.accumulate(largest_updates(make(LR), sequence, SPIKE_PARAMS))
-  got = largest_updates(make(LR, state_format=fmt), sequence, SPIKE_PARAMS)
+  got = largest_updates(make(LR, state_format=fmt), grads(), SPIKE_PARAMS)
   assert np.all(got <= _ADAM_BOUND[fmt] * want), (got / want).max()
 
 
@@ -87,9 +104,8 @@ def test_no_step_outgrows_the_reference_by_more_than_the_maps_allow(family, grad
 @pytest.mark.parametrize("grads", [spike_gradients, random_signs, vanishing],
                          ids=["constant", "random-signs", "vanishing"])
 def test_rmsprop_steps_carry_only_the_roots_error(grads, fmt):
-  sequence = grads()
-  want = np.maximum.accumulate(largest_updates(optax.rmsprop(LR), sequence, SPIKE_PARAMS))
-  got = largest_updates(pallasopt.optim.rmsprop(LR, state_format=fmt), sequence, SPIKE_PARAMS)
+  want = np.maximum.accumulate(_reference_largest("optax-rmsprop", grads.__name__))
+  got = largest_updates(pallasopt.optim.rmsprop(LR, state_format=fmt), grads(), SPIKE_PARAMS)
   assert np.all(got <= want / (1 - _ROOT_STEP[fmt])), (got / want).max()
 
 
@@ -100,7 +116,7 @@ def test_digits_steps_and_loss_track_optax(fmt):
   # loss ends within 3% of Optax's. Measured (jax 0.10.2, CPU): Optax 0.1664,
   # largest step 0.0022; int4 0.1707, 0.0019; before 2026-11-26 int8 moved a
   # weight 0.51 in a step.
-  ref_loss, ref_step = digits_run(optax.adamw(LR))
+  ref_loss, ref_step = _reference_digits("adamw")
   loss, largest = digits_run(pallasopt.optim.adamw(LR, state_format=fmt))
   assert largest <= 2 * ref_step, (largest, ref_step)
   assert abs(loss - ref_loss) <= 0.03 * ref_loss, (loss, ref_loss)
@@ -116,11 +132,10 @@ def test_muon_momentum_steps_track_f32_muon(fmt):
   # before 2026-11-26, int8 ended 4.7% off. (At 1e-2, near convergence, the
   # losses are 0.050, 0.054 and 0.056: orthogonalization gives the noise of
   # any stored momentum a full-size step.)
-  grads = spike_gradients()
-  want = largest_updates(pallasopt.optim.muon(LR), grads, SPIKE_PARAMS)
-  got = largest_updates(pallasopt.optim.muon(LR, state_format=fmt), grads, SPIKE_PARAMS)
+  want = _reference_largest("muon", "spike_gradients")
+  got = largest_updates(pallasopt.optim.muon(LR, state_format=fmt), spike_gradients(), SPIKE_PARAMS)
   assert got.max() <= 1.05 * want.max(), (got, want)
-  ref_loss, ref_step = digits_run(pallasopt.optim.muon(3e-3))
+  ref_loss, ref_step = _reference_digits("muon")
   loss, largest = digits_run(pallasopt.optim.muon(3e-3, state_format=fmt))
   assert largest <= 2 * ref_step, (largest, ref_step)
   assert abs(loss - ref_loss) <= 0.03 * ref_loss, (loss, ref_loss)

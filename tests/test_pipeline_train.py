@@ -182,8 +182,7 @@ _PLAIN = {
 }
 
 
-@pytest.mark.parametrize("fsdp", [1, 2])
-@pytest.mark.parametrize("name", list(_PLAIN))
+@pytest.mark.parametrize("name,fsdp", [("adamw", 2), ("muon", 2), ("adafactor", 1)])
 def test_a_plain_pallasopt_transform_trains_as_its_optax_path(name, fsdp):
   # No factory: the transform itself, its state optax.chain(tx)'s. AdamW
   # updates its FSDP slices in place (it is elementwise); Muon and Adafactor
