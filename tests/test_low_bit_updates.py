@@ -57,9 +57,12 @@ _SEQUENCES = {sequence.__name__: sequence for sequence in (
 # The references, the same for every format: computed once per run.
 @functools.cache
 def _reference_largest(family: str, sequence: str) -> np.ndarray:
-  """Per step, the largest |update| / lr of ``family`` with f32 state on a sequence."""
-  reference = {"optax-adamw": optax.adamw, "optax-rmsprop": optax.rmsprop}.get(
-      family, getattr(pallasopt.optim, family))
+  """Per step, the largest |update| / lr of ``family`` with f32 state on a sequence.
+
+  ``family``: a pallasopt drop-in, or ``"optax-<name>"`` for Optax's own.
+  """
+  optax_name = family.removeprefix("optax-")
+  reference = getattr(optax if optax_name != family else pallasopt.optim, optax_name)
   return largest_updates(reference(LR), _SEQUENCES[sequence](), SPIKE_PARAMS)
 
 
