@@ -185,9 +185,9 @@ def update_dispatch(
   Its row of the auto policy is `policy.BLOCKWISE_UPDATE` where a moment is
   blockwise, else `policy.UPDATE`; blockwise moments with a ragged last
   block run the reference (the kernel reads whole blocks); the update runs
-  per shard under a mesh where it is `per_element`. The kernel reads the gradient (argument 1) in
-  bfloat16 where the step converts it from bfloat16, as a bf16 matmul's
-  weight gradient is.
+  per shard under a mesh where it is `per_element`. The kernel reads the
+  gradient (argument 1) in bfloat16 where the step converts it from
+  bfloat16, as a bf16 matmul's weight gradient is.
   """
   blockwise = [m for m in moments if quant.is_blockwise(m)]
   return dispatch(
