@@ -28,7 +28,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(256,), (40, 256), (4096, 1024), (3, 5, 256)], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("family", ["adamw", "lion"])
-def test_compiled_int8_triton_kernel_matches_reference(shape, dtype, family):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_compiled_blockwise_triton_kernel_matches_reference(shape, dtype, family, fmt):
   rng = np.random.default_rng(0)
   p, g = random_array(rng, shape, dtype), random_array(rng, shape, dtype)
   m = random_array(rng, shape, jnp.float32, scale=0.1)
@@ -36,11 +37,11 @@ def test_compiled_int8_triton_kernel_matches_reference(shape, dtype, family):
   key = rounding.leaf_key(0, 3, 0)
   config = dict(mode="apply", decay=True, param_rounding="stochastic")
   if family == "lion":
-    s, moments = lion_k.lion_scalars(3e-4, 0.9, 0.99, 0.1), (quant.quantize(m),)
+    s, moments = lion_k.lion_scalars(3e-4, 0.9, 0.99, 0.1), (quant.quantize(m, fmt=fmt),)
     kernel, reference = lion_k.lion_kernel, lion_k.lion_reference
   else:
     s = adamw_k.adamw_scalars(3, 3e-4, 0.9, 0.999, 1e-8, 0.0, 0.1)
-    moments = blockwise_adam_moments(m, v)
+    moments = blockwise_adam_moments(m, v, fmt)
     kernel = functools.partial(adamw_k.adamw_kernel, nesterov=False)
     reference = functools.partial(adamw_k.adamw_reference, nesterov=False)
   got = jax.jit(functools.partial(kernel, **config, backend="triton"))(p, g, *moments, s, key)
