@@ -145,9 +145,10 @@ def main(argv=None) -> None:
 def _provenance() -> dict:
   """The compilers and the commit the figures come from (a compile, not a run)."""
   import importlib.metadata
-  import subprocess
 
   import jax
+
+  from bench import records
 
   versions = {}
   for dist in ("jaxlib", "libtpu", "jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12"):
@@ -155,10 +156,8 @@ def _provenance() -> dict:
       versions[dist] = importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
       pass
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=False).stdout.strip()
   return {"measured_on": "CPU host, compile-only target (no TPU ran this)",
-          "jax": jax.__version__, **versions, "commit": commit or None}
+          "jax": jax.__version__, **versions, "commit": records.code_commit()[0][:12]}
 
 
 if __name__ == "__main__":

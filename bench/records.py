@@ -93,11 +93,23 @@ def _git(*args: str) -> str | None:
   return out.stdout.strip()
 
 
-def environment() -> Environment:
-  """Device, versions and commit of this run (``$PALLASOPT_COMMIT`` where no git)."""
-  dev = jax.devices()[0]
-  commit = _git("rev-parse", "HEAD") or os.environ.get("PALLASOPT_COMMIT", "unknown")
+def code_commit() -> tuple[str, bool | None]:
+  """The commit this run measures, and whether the tree differed from it (None: unknown).
+
+  ``$PALLASOPT_COMMIT`` wins over git: a device machine's copy of the
+  checkout can carry a ``.git`` older than its files.
+  """
+  named = os.environ.get("PALLASOPT_COMMIT")
+  if named:
+    return named, None
   status = _git("status", "--porcelain", "--untracked-files=no")
+  return _git("rev-parse", "HEAD") or "unknown", None if status is None else bool(status)
+
+
+def environment() -> Environment:
+  """Device, versions and commit of this run (`code_commit`)."""
+  dev = jax.devices()[0]
+  commit, dirty = code_commit()
   versions = {
       "jax": jax.__version__,
       "jaxlib": _version("jaxlib"),
@@ -109,7 +121,7 @@ def environment() -> Environment:
   return Environment(
       platform=dev.platform, device_kind=dev.device_kind, device_count=jax.device_count(),
       versions=versions, git_commit=commit,
-      git_dirty=None if status is None else bool(status),
+      git_dirty=dirty,
       peaks=datasheet_peaks(dev.device_kind),
   )
 
