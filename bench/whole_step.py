@@ -36,7 +36,7 @@ FAMILIES = {
     "adamw": ({"weight_decay": 0.1}, "adamw", (None, "int8", "int4")),
     "lion": ({"weight_decay": 0.1}, "lion", (None, "int8", "int4")),
     "rmsprop": ({}, "rmsprop", (None, "int8", "int4")),
-    "mars": ({"weight_decay": 0.1}, None, (None, "int8", "int4")),
+    "mars": ({}, None, (None, "int8", "int4")),
     "adafactor": ({}, "adafactor", (None,)),
     "muon": ({}, "contrib.muon", (None,)),
     "kron": ({}, None, (None,)),

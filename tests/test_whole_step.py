@@ -104,3 +104,18 @@ def test_the_bench_times_each_case_against_its_baseline():
   for r in rows:
     assert 0 < r["min_ms"] <= r["median_ms"] and np.isfinite(r["loss"])
     assert r["vs_baseline"] == pytest.approx(r["median_ms"] / rows[0]["median_ms"])
+
+
+@pytest.mark.parametrize("family", ["adamw", "lion", "rmsprop", "mars", "adafactor", "muon", "kron"])
+def test_the_bench_builds_every_familys_cases(family):
+  # `python -m bench.whole_step --family X` builds these before compiling anything.
+  from bench import whole_step as bench_whole_step
+
+  cases = bench_whole_step._transforms(family)
+  formats = bench_whole_step.FAMILIES[family][2]
+  assert [c for c, _ in cases[1:]] == [f"auto {f or 'f32'}" for f in formats]
+  params = {"w": jnp.ones((8, 256)), "b": jnp.ones((256,))}
+  for _, tx in cases:
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert jax.tree.map(jnp.shape, updates) == jax.tree.map(jnp.shape, params)
