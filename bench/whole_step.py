@@ -38,7 +38,7 @@ FAMILIES = {
     "rmsprop": ({}, "rmsprop", (None, "int8", "int4")),
     "mars": ({}, None, (None, "int8", "int4")),
     "adafactor": ({}, "adafactor", (None,)),
-    "muon": ({}, "contrib.muon", (None,)),
+    "muon": ({}, "contrib.muon", (None, "int8", "int4")),
     "kron": ({}, None, (None,)),
 }
 
