@@ -50,6 +50,7 @@ and stochastic rounding `pallasopt.kernels.rounding`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -437,15 +438,27 @@ def quantize(
       one-off conversion does; the optimizer steps pass the key).
     stream: the moment's random stream.
   """
-  name = codec(role, fmt)
+  codec(role, fmt)  # checks both
   if role == RATIO and root is None:
     raise ValueError("a first moment stored as a ratio needs root=, its second moment's root.")
+  return _class(role, fmt)(*_encoded(x, root, key, role=role, fmt=fmt, stream=stream))
+
+
+# `quantize` and `stored_values` as one program per shape and format: called
+# eagerly (`init`, `convert_state`), the codec's ops would each compile alone.
+@functools.partial(jax.jit, static_argnames=("role", "fmt", "stream"))
+def _encoded(x, root, key, *, role: str, fmt: str, stream: int):
+  name = codec(role, fmt)
   rows = _block_rows(to_stored(x.astype(jnp.float32), role, root))
   bits = None if key is None else code_bits(key, rows, stream)
   codes, absmax = encode_rows(rows, name, bits)
-  return _class(role, fmt)(
-      _from_block_rows(codes.astype(_CODE_DTYPES[name]), x), absmax.reshape(absmax.shape[:-1])
-  )
+  return _from_block_rows(codes.astype(_CODE_DTYPES[name]), x), absmax.reshape(absmax.shape[:-1])
+
+
+@functools.partial(jax.jit, static_argnames=("name",))
+def _decoded(codes, scales, *, name: str):
+  rows = _block_rows(codes.astype(jnp.float32))
+  return _from_block_rows(decode_rows(rows, scales[..., None], name), codes)
 
 
 def quantize_like(
@@ -463,8 +476,7 @@ def stored_values(q: Blockwise) -> jax.Array:
   `RatioBlockwise`'s the ratios.
   """
   check_scales(q)
-  rows = _block_rows(q.codes.astype(jnp.float32))
-  return _from_block_rows(decode_rows(rows, q.scales[..., None], codec_of(q)), q.codes)
+  return _decoded(q.codes, q.scales, name=codec_of(q))
 
 
 def dequantize(q: Blockwise, *, root: jax.Array | None = None) -> jax.Array:
