@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers, MuonState
 
-from pallasopt.kernels import ns_coefficients
+from pallasopt.kernels import muon_momentum, ns_coefficients
 from pallasopt.kernels._update import store_moment
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import advance_schedule
@@ -161,6 +161,13 @@ class MuonChain:
 
   def _momentum_step(self, g, m, count, leaf):
     opts = self.options
+    if is_quantized(m):
+      # Blockwise state: one pass decodes, steps and re-encodes it in place
+      # (XLA's codec would relay the momentum out, `kernels.muon_momentum`).
+      scalars = muon_momentum.muon_momentum_scalars(
+          opts.beta, count, nesterov=opts.nesterov, lerp=opts.momentum == "lerp")
+      key = momentum_rounding(opts.state_format, opts.seed, count, leaf, jnp.shape(g))["key"]
+      return muon_momentum.muon_momentum_updates(g, m, scalars, key, impl=opts.impl)
     # f32 at least; float64 and complex leaves keep their precision (Optax's).
     dtype = compute_dtype(g)
     real = jnp.finfo(dtype).dtype
