@@ -16,6 +16,8 @@ dispatching entry points that take ``impl="auto" | "pallas" | "interpret" |
   (Muon; entry point ``newton_schulz.newton_schulz``): on TPU resident on
   chip for small matrices, symmetric tiled matmuls for large ones; on CUDA a
   Mosaic GPU ``wgmma`` Gram kernel for bf16 iterates;
+* `pallasopt.kernels.muon_momentum`: Muon's momentum step on blockwise
+  (8- and 4-bit) state, decoded, stepped and re-encoded in one pass;
 * `pallasopt.kernels.gram`: symmetric Gram matrices ``X Xᵀ``, upper blocks
   only (Newton–Schulz's symmetric products): a block recursion in XLA and a
   Mosaic GPU ``wgmma`` kernel;
@@ -37,6 +39,7 @@ from pallasopt.kernels import (
     kron_factor,
     lion,
     mars,
+    muon_momentum,
     newton_schulz,
     policy,
     quant,

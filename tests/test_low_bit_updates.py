@@ -130,7 +130,7 @@ def test_muon_momentum_steps_track_f32_muon(fmt):
   # Muon's momentum is stored as itself (its orthogonalization divides by
   # nothing elementwise); the spike test and digits (Muon at 3e-3, 300 steps,
   # still training: loss 0.782) bound its steps against Muon with f32
-  # momentum. Measured (jax 0.10.2, CPU): int8 0.787, fp8 0.788, int4 0.797
+  # momentum. Measured (jax 0.10.2, CPU): int8 0.786, fp8 0.789, int4 0.800
   # (the spike test's largest update: 1.0x Muon's in every format); to nearest,
   # before 2026-11-26, int8 ended 4.7% off. (At 1e-2, near convergence, the
   # losses are 0.050, 0.054 and 0.056: orthogonalization gives the noise of

@@ -95,3 +95,19 @@ def test_auto_runs_the_momentum_kernel_for_blockwise_state(fmt, chip):
     return text.count(CUSTOM_CALL[platform])
 
   assert kernels(fmt) - kernels(None) == int(not (fmt == "fp8" and chip == "a100"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(4096, 1024), (3, 64, 256)], ids=str)
+def test_compiled_triton_kernel_matches_reference_on_a_gpu(shape, fmt):
+  # Natively compiled, Triton and XLA may contract the multiply-adds
+  # differently: the codes of an element one apart at most.
+  rng = np.random.default_rng(2)
+  m = quant.quantize(random_array(rng, shape, jnp.float32), fmt=fmt)
+  g = random_array(rng, shape, jnp.float32)
+  s, key = _scalars(5), rounding.step_key(0, jnp.int32(5))
+  want = jax.jit(mm.muon_momentum_reference)(None, g, m, s, key)
+  got = jax.jit(functools.partial(mm.muon_momentum_kernel, backend="triton"))(None, g, m, s, key)
+  assert_close(got[0], want[0], tolerance(jnp.float32), operands=(quant.dequantize(m), g))
+  assert_nearly_same_codes(got[1], want[1])

@@ -193,8 +193,9 @@ def muon(
     adamw_predicate, blockwise, distributed_axes: see "Extensions".
     state_format: storage of the momentum (both parts): None (Optax's),
       ``"bf16"`` (stochastic rounding on every store), ``"int8"``, ``"fp8"``
-      or ``"int4"`` (blockwise codes for leaves of at least 4096 elements); see
-      `pallasopt.optim.adamw`.
+      or ``"int4"`` (blockwise codes for leaves of at least 4096 elements,
+      decoded, stepped and re-encoded by one kernel on a TPU or GPU under
+      ``"auto"``: `pallasopt.kernels.muon_momentum`); see `pallasopt.optim.adamw`.
     seed: seed of the stochastic roundings (None: 0).
 
   Returns:
