@@ -17,12 +17,13 @@ bias-corrected momentum :math:`m_t / (1 - \beta^t)`, or the lerp forms
 
 With the momentum in f32 XLA fuses this into Newton–Schulz's first pass,
 and no kernel is needed. With blockwise state (``"int8"``, ``"fp8"``,
-``"int4"``) XLA's codec relays the momentum out between layouts (the
-block scales are stored transposed), so the kernel decodes, updates and
-re-encodes the momentum in place and writes :math:`\hat m_t` in f32, as the
-elementwise update kernels of AdamW and Lion do (`_update.kernel_update`):
-9 bytes per parameter with int8 codes (g, codes in, codes and
-:math:`\hat m_t` out).
+``"int4"``) XLA's codec copies the momentum between layouts (the block
+scales are stored transposed: compiled for a v5e, one 2048 x 5632 leaf's
+int8 step moved 704 MiB where Optax's f32 Muon moves 176), so the kernel
+decodes, updates and re-encodes the momentum in place and writes
+:math:`\hat m_t` in f32, as the elementwise update kernels of AdamW and
+Lion do (`_update.kernel_update`): 10 bytes per parameter with int8 codes
+(g and codes in, codes and :math:`\hat m_t` out; 133 MiB on that leaf).
 """
 
 from __future__ import annotations
