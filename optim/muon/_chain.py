@@ -163,7 +163,7 @@ class MuonChain:
     opts = self.options
     if is_quantized(m):
       # Blockwise state: one pass decodes, steps and re-encodes it in place
-      # (XLA's codec would relay the momentum out, `kernels.muon_momentum`).
+      # (XLA's codec would copy the momentum between layouts: `kernels.muon_momentum`).
       scalars = muon_momentum.muon_momentum_scalars(
           opts.beta, count, nesterov=opts.nesterov, lerp=opts.momentum == "lerp")
       key = momentum_rounding(opts.state_format, opts.seed, count, leaf, jnp.shape(g))["key"]
