@@ -1,5 +1,7 @@
 """Strategies, data builders and comparisons shared by the tests."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,30 @@ ELEMENTWISE_KERNEL_CASES = dict(
     backend=st.sampled_from(["tpu", "triton"]),
     seed=st.integers(0, 2**16),
 )
+
+
+def pairwise(*factors, allowed=lambda *row: True) -> list[tuple]:
+  """Rows in which every pair of values of any two factors meets at least once.
+
+  For a test parametrized over options that interact in pairs (backend and
+  format, format and shape, ...): a strength-2 covering array, far fewer rows
+  than the full product. Built greedily from the product in order (each row
+  the candidate that covers the most pairs not yet covered; ties go to the
+  earlier), so every machine runs the same cases. ``allowed(*row)`` rules
+  rows out; a pair that only ruled-out rows hold is not asked for.
+  """
+  candidates = [row for row in itertools.product(*(range(len(f)) for f in factors))
+                if allowed(*(f[i] for f, i in zip(factors, row)))]
+
+  def pairs(row):
+    return {(i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(row)), 2)}
+
+  uncovered, rows = set().union(*map(pairs, candidates)), []
+  while uncovered:
+    best = max(candidates, key=lambda row: len(pairs(row) & uncovered))
+    rows.append(best)
+    uncovered -= pairs(best)
+  return [tuple(f[i] for f, i in zip(factors, row)) for row in rows]
 
 
 def random_array(rng: np.random.Generator, shape, dtype, *, positive=False, scale=1.0):

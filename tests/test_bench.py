@@ -31,6 +31,7 @@ from bench import (
     trace_cost,
     workloads,
 )
+from helpers import pairwise
 from pallasopt.kernels._compat import pl
 
 # Three implementations on a leaf, and the fused path on a stacked mixed-dtype tree.
@@ -319,15 +320,22 @@ def test_rmsprop_and_mars_bytes_models_equal_the_kernels_cost_estimates(
                               grads) == case.bytes == per_param * workload.params
 
 
-@pytest.mark.parametrize("family", [cases_adamw, cases_lion], ids=["adamw", "lion"])
-@pytest.mark.parametrize("state_format,bf16_params", [("int8", False), ("fp8", False),
-                                                      ("int4", False), ("bf16", False),
-                                                      ("int8", True)])
-@pytest.mark.parametrize("workload", [workloads.leaf(4096, "f32"), workloads.for_tier("ci")[0]],
-                         ids=lambda w: w.name)
+def _low_bit_case_id(value) -> str:
+  if isinstance(value, tuple):  # (state format, bf16 params)
+    return value[0] + ("-bf16-params" if value[1] else "")
+  return getattr(value, "name", None) or value.__name__.removeprefix("bench.cases_")
+
+
+# Every pair of family, state (with bf16 params once) and workload.
+@pytest.mark.parametrize("family,state,workload", pairwise(
+    [cases_adamw, cases_lion], [("int8", False), ("fp8", False), ("int4", False),
+                                ("bf16", False), ("int8", True)],
+    [workloads.leaf(4096, "f32"), workloads.for_tier("ci")[0]],
+), ids=_low_bit_case_id)
 def test_low_bit_bytes_model_equals_the_kernels_cost_estimates(
-    monkeypatch, family, state_format, bf16_params, workload
+    monkeypatch, family, state, workload
 ):
+  state_format, bf16_params = state
   case = family.SPEC.low_bit_case(workload, state_format, bf16_params=bf16_params)
   fused = {i.name: i for i in case.impls}["pallasopt.fused"]
   carry, grads = jax.eval_shape(fused.inputs, jax.random.key(0))

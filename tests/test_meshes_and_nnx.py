@@ -13,6 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallasopt
+from helpers import pairwise
 from pallasopt import kernels
 
 _OPTIMIZERS = {
@@ -47,17 +48,16 @@ def _close(a, b):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-6)
 
 
+# Every pair of impl, optimizer and axis type meets once (`pairwise`).
 # Families whose kernel is not elementwise run it on gathered operands under
 # a kernel impl, by the same code whatever the axis type; Adafactor keeps that
 # path covered under Auto axes, so Muon and Kron (8 s of compiles) run it
-# under Explicit axes only. Under "auto" every family runs on both.
-_SHARDED_CASES = [
-    (impl, name, axis_type)
-    for impl in ("auto", "interpret")
-    for name in _OPTIMIZERS
-    for axis_type in ("explicit", "auto")
-    if not (impl == "interpret" and name in ("muon", "kron") and axis_type == "auto")
-]
+# under Explicit axes only, and their "auto" rows take the Auto axes.
+_SHARDED_CASES = pairwise(
+    ("auto", "interpret"), list(_OPTIMIZERS), ("auto", "explicit"),
+    allowed=lambda impl, name, axis_type: not (
+        impl == "interpret" and name in ("muon", "kron") and axis_type == "auto"),
+)
 
 
 @functools.cache
@@ -123,9 +123,9 @@ def test_flax_nnx_optimizer_trains_with_every_optimizer(name):
   # The functional run: plain pytrees, the same transform.
   pure = jax.tree.map(jnp.asarray, nnx.to_pure_dict(params))
   pure_loss = lambda p: jnp.mean((x @ p["dense"]["kernel"] + p["dense"]["bias"] - y) ** 2)
-  state = tx.init(pure)
+  state, update = tx.init(pure), jax.jit(tx.update)
   for _ in range(3):
-    updates, state = tx.update(jax.grad(pure_loss)(pure), state, pure)
+    updates, state = update(jax.grad(pure_loss)(pure), state, pure)
     pure = optax.apply_updates(pure, updates)
 
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)

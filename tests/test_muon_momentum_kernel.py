@@ -13,6 +13,7 @@ from helpers import (
     assert_close,
     assert_nearly_same_codes,
     lowered_text,
+    pairwise,
     random_array,
     sds,
     tolerance,
@@ -29,10 +30,10 @@ def _scalars(count, nesterov=True, lerp=False):
   return mm.muon_momentum_scalars(0.95, jnp.int32(count), nesterov=nesterov, lerp=lerp)
 
 
-@pytest.mark.parametrize("backend", ["tpu", "triton"])
-@pytest.mark.parametrize("fmt", quant.FORMATS)
-@pytest.mark.parametrize("shape", [(256, 512), (8, 2048), (3, 64, 256)], ids=str)
-@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+# Each backend's block specs with each format, shape and gradient dtype.
+@pytest.mark.parametrize("backend,fmt,shape,grad_dtype", pairwise(
+    ["tpu", "triton"], quant.FORMATS, [(256, 512), (8, 2048), (3, 64, 256)],
+    [jnp.float32, jnp.bfloat16]), ids=lambda v: getattr(v, "__name__", str(v)))
 def test_kernel_state_equals_reference_over_steps(backend, fmt, shape, grad_dtype):
   # Both jitted, as the elementwise families' contract: the stored state is
   # the reference's code for code (f32 gradients); m_hat within an f32 ulp

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import strategies as st
 
 import pallasopt
-from helpers import assert_trees_close, random_array
+from helpers import assert_trees_close, pairwise, random_array
 from kernel_contract import KernelContract
 from pallasopt.kernels import rmsprop as rmsprop_k
 from pallasopt.optim import Int8Blockwise, RootBlockwise
@@ -63,26 +63,21 @@ class TestRMSPropKernel(KernelContract):
     return fn(p, g, tuple(moments), scalars, **kwargs)
 
 
-CONFIGS = [
-    dict(centered=c, momentum=m, nesterov=n, bias_correction=b, eps_in_sqrt=e)
-    for c, m, n, b, e in itertools.product(
-        [False, True], [None, 0.9], [False, True], [False, True], [True, False])
-    if m is not None or not n
-]
+_OPTIONS = dict(centered=[False, True], momentum=[None, 0.9], nesterov=[False, True],
+                bias_correction=[False, True], eps_in_sqrt=[True, False])
 
 
-# Under "interpret", a pairwise covering of the options (every value of every
-# pair of options in some config): the kernel equals the reference in every
-# combination (test_kernel_equals_reference_over_steps draws them all), and
-# the reference equals Optax in every config under "xla".
-_PAIRWISE = [
-    dict(centered=c, momentum=m, nesterov=n, bias_correction=b, eps_in_sqrt=e)
-    for c, m, n, b, e in [
-        (False, None, False, False, False), (False, 0.9, True, True, False),
-        (True, None, False, True, True), (True, 0.9, True, False, True),
-        (True, 0.9, False, True, False), (False, 0.9, False, False, True),
-    ]
-]
+def _valid(centered, momentum, nesterov, bias_correction, eps_in_sqrt):
+  return momentum is not None or not nesterov
+
+
+CONFIGS = [dict(zip(_OPTIONS, row)) for row in itertools.product(*_OPTIONS.values())
+           if _valid(*row)]
+# Under "interpret", every value of every pair of options in some config: the
+# kernel equals the reference in every combination
+# (test_kernel_equals_reference_over_steps draws them all), and the reference
+# equals Optax in every config under "xla".
+_PAIRWISE = [dict(zip(_OPTIONS, row)) for row in pairwise(*_OPTIONS.values(), allowed=_valid)]
 
 
 @pytest.mark.parametrize("config,impl", [(c, "xla") for c in CONFIGS] + [
