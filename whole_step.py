@@ -37,6 +37,7 @@ __all__ = [
     "DECODERS",
     "FORMS",
     "param_shapes",
+    "init_params",
     "loss",
     "train_step",
     "measure",
@@ -117,6 +118,14 @@ def param_shapes(model: Decoder) -> dict[str, Any]:
   return jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=lambda s: isinstance(s, tuple)
   )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def init_params(model: Decoder, key: jax.Array) -> dict[str, Any]:
+  """Params drawn from N(0, 0.02^2) (GPT-2's init), one key per leaf; one compiled program."""
+  shapes = param_shapes(model)
+  keys = iter(jax.random.split(key, len(jax.tree.leaves(shapes))))
+  return jax.tree.map(lambda s: 0.02 * jax.random.normal(next(keys), s.shape, s.dtype), shapes)
 
 
 def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:

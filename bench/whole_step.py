@@ -131,10 +131,7 @@ def time_steps(
     baseline = None
     for case, tx in _transforms(family):
       step, tx = whole_step.train_step(decoder, tx, form)
-      shapes = whole_step.param_shapes(decoder)
-      keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(shapes))))
-      params = jax.tree.map(
-          lambda s: 0.02 * jax.random.normal(next(keys), s.shape, s.dtype), shapes)
+      params = whole_step.init_params(decoder, jax.random.key(0))
       state = tx.init(params)
       step = jax.jit(step, donate_argnums=(0, 1))
       params, state, loss = step(params, state, tokens)

@@ -22,9 +22,7 @@ _TINY = {
 
 
 def _init(model, seed=0):
-  keys = iter(jax.random.split(jax.random.key(seed), 64))
-  return jax.tree.map(lambda s: 0.02 * jax.random.normal(next(keys), s.shape, s.dtype),
-                      whole_step.param_shapes(model))
+  return whole_step.init_params(model, jax.random.key(seed))
 
 
 def _tokens(model, seed=1):
