@@ -58,6 +58,9 @@ def trees() -> dict:
   return {
       "4096x4096": {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)},
       "gpt2-small": workloads.gpt2(**workloads.GPT2_SMALL).tree,
+      # Every leaf shape of GPT-2 small, two blocks of them: a sixth of its
+      # compile for a step that treats each leaf alone.
+      "gpt2-small-2l": workloads.gpt2(**{**workloads.GPT2_SMALL, "n_layer": 2}).tree,
   }
 
 
@@ -116,7 +119,8 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m bench.compiled", description=__doc__)
   parser.add_argument("--target", default="v5e")
   parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
-  parser.add_argument("--tree", choices=["4096x4096", "gpt2-small"], action="append")
+  parser.add_argument("--tree", choices=["4096x4096", "gpt2-small", "gpt2-small-2l"],
+                      action="append")
   parser.add_argument("--json")
   args = parser.parse_args(argv)
   from pallasopt import compile_check
