@@ -30,7 +30,7 @@ def _scalars(count, nesterov=True, lerp=False):
   return mm.muon_momentum_scalars(0.95, jnp.int32(count), nesterov=nesterov, lerp=lerp)
 
 
-# Each backend's block specs with each format, shape and gradient dtype.
+# Every pair of backend (block specs), format, shape and gradient dtype (`pairwise`).
 @pytest.mark.parametrize("backend,fmt,shape,grad_dtype", pairwise(
     ["tpu", "triton"], quant.FORMATS, [(256, 512), (8, 2048), (3, 64, 256)],
     [jnp.float32, jnp.bfloat16]), ids=lambda v: getattr(v, "__name__", str(v)))
