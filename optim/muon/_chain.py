@@ -168,7 +168,11 @@ class MuonChain:
           opts.beta, count, nesterov=opts.nesterov, lerp=opts.momentum == "lerp")
       key = momentum_rounding(opts.state_format, opts.seed, count, leaf, jnp.shape(g))["key"]
       return muon_momentum.muon_momentum_updates(g, m, scalars, key, impl=opts.impl)
-    # f32 at least; float64 and complex leaves keep their precision (Optax's).
+    # Optax's formulas, divisions included, at f32 at least; float64 and
+    # complex leaves keep their precision (Optax's). The blockwise path above
+    # folds the same corrections into two f32 multipliers
+    # (`muon_momentum.muon_momentum_scalars`), which a kernel body rounds
+    # alike on every backend.
     dtype = compute_dtype(g)
     real = jnp.finfo(dtype).dtype
     corrected = lambda x, t: x / jnp.asarray(1 - opts.beta**t, real)
