@@ -50,6 +50,23 @@ def pytest_unconfigure(config):
     shutil.rmtree(owned, ignore_errors=True)
 
 
+# XLA:CPU compiles JAX's rolled threefry lowering (a while loop per random
+# draw: `jax.random`, Kron's probes, the low-bit codes' rounding bits) several
+# times slower than the straight-line lowering every other platform gets: an
+# eFormer QUAD step on three small leaves, 15 such loops, compiled in 2.3 s,
+# and in 1.2 s with the other rule. The bits are the same (integer
+# arithmetic, the same rounds); this only changes the tests' compile time.
+# Where a JAX release moves these internals, the tests run with JAX's rule.
+try:
+  from jax._src.random import threefry2x32 as _threefry
+  from jax.interpreters import mlir as _mlir
+
+  _mlir.register_lowering(_threefry.threefry2x32_p, _threefry._threefry2x32_lowering_rule,
+                          platform="cpu", inline=False)
+except (ImportError, AttributeError):
+  pass
+
+
 # The default `ci` profile is derandomized, so `pytest -q` runs the same
 # examples on every machine, with or without $CI, within the 2-core budget.
 # `dev` explores fresh random examples (HYPOTHESIS_PROFILE=dev); `thorough` is

@@ -460,12 +460,16 @@ def test_trace_cost_times_every_optimizer_against_its_reference(tmp_path, capsys
 def test_white_kron_flops_model_counts_the_dense_block_matmuls(style):
   # XLA's compiled count of the XLA step: at least the model's dense-block
   # matmuls, and not much more at blocks of 32 (the rest: power iterations of
-  # 4 probes, elementwise terms; their share shrinks as 1 / block size).
+  # 4 probes, their random bits, elementwise terms; their share shrinks as
+  # 1 / block size). Measured 1.42x (QUAD) and 1.55x (skew) with every
+  # threefry round counted, as the GPU and TPU lowering has them (and the
+  # tests' conftest on CPU); 1.31x and 1.44x with XLA:CPU's rolled loop,
+  # whose rounds count once.
   case = cases_white_kron.case(cases_white_kron._stack(2, 64, 96), style, 32)
   carry, consts = jax.jit(case.inputs)(jax.random.key(0))
   cost = jax.jit(case.impls[0].build("xla")).lower(carry, consts).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  assert case.flops <= cost["flops"] <= 1.5 * case.flops
+  assert case.flops <= cost["flops"] <= 1.6 * case.flops
 
 
 def _timed_row(impl, median, lo, hi):
