@@ -132,9 +132,12 @@ def test_symmetric_reference_equals_optax(shape, preconditioning):
 
 
 def _step_flops(tx, params):
+  # XLA's cost analysis of the lowered step, before its optimization passes:
+  # they fuse and simplify elementwise work, never a matmul away (GPT-2 small
+  # at 4 levels: 0.741x lowered, 0.745x compiled; compiling both steps of the
+  # 124M-parameter tree took 12 s of the suite's time).
   state = jax.eval_shape(tx.init, params)
-  cost = jax.jit(lambda g, s, p: tx.update(g, s, p)).lower(params, state, params).compile()
-  cost = cost.cost_analysis()
+  cost = jax.jit(lambda g, s, p: tx.update(g, s, p)).lower(params, state, params).cost_analysis()
   return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
