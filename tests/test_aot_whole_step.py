@@ -120,7 +120,7 @@ _FAMILY_INT8_BYTES = {"lion": 0.97, "rmsprop": 0.97, "muon": 0.94}
 def test_every_familys_fused_whole_step_moves_and_holds_what_the_issue_bounds(family):
   aot_targets.require("v5e")
   if not os.environ.get(_FAMILIES_VARIABLE):
-    pytest.skip(f"20 whole-step compiles, about 12 min on two workers: set {_FAMILIES_VARIABLE}=1")
+    pytest.skip(f"20 whole-step compiles, about 20 min on two workers: set {_FAMILIES_VARIABLE}=1")
   rows = {r["case"]: r for r in bench_whole_step.measure("v5e", "llama-1b-2l", family, ["fused"])}
   baseline, *ours = rows.values()
   assert baseline["baseline"] and not any(r["baseline"] for r in ours)
