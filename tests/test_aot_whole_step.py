@@ -98,18 +98,19 @@ def test_the_whole_step_moves_and_holds_what_the_issue_bounds(chip):
 # Kron). Bounds are the issue's (f32 `auto` at most 1.005x, int8 state at
 # most 0.93x the bytes and 0.80x the peak) but where the compiled module shows
 # why they are not met; there the measured ceiling keeps them where they are:
-# * int8 Lion and RMSProp: 0.967x (at 1419212, as at 745765d). The kernel needs the gradient
-#   written and read back (4 B per parameter from a bf16 matmul), where XLA
-#   fuses the f32 update into the matmul: that costs most of what one
-#   moment's codes save.
-# * f32 Muon: 1.026x (1419212, as at f9e88b8; `auto` runs XLA, the same 13.09 TFLOP as
-#   Optax's). Each leaf's update compiled alone moves Optax's bytes; XLA
-#   fuses the whole step differently (16 more matmul fusions on the 2048 x
-#   5632 FFN matrices, more VMEM prefetches of them and of the Gram matrices).
+# * int8 Lion and RMSProp: 0.967x (at 1419212, as at 745765d). The kernel
+#   needs the gradient written and read back (4 B per parameter from a bf16
+#   matmul), where XLA fuses the f32 update into the matmul: that costs most
+#   of what one moment's codes save.
+# * f32 Muon: 1.026x (at 1419212, as at f9e88b8; `auto` runs XLA, the same
+#   13.09 TFLOP as Optax's). Each leaf's update compiled alone moves Optax's
+#   bytes; XLA fuses the whole step differently (16 more matmul fusions on the
+#   2048 x 5632 FFN matrices, more VMEM prefetches of them and of the Gram
+#   matrices).
 # * int8 Muon: 0.937x, for the same reason.
 # int4 state moves no more bytes than int8 (issue 40).
-# Each compile takes about a minute on the 2-core CI machine, which has not
-# the time for all 20 in CI's budget: they run where this variable is set.
+# The 20 compiles take about 20 minutes on two workers of a 2-core host, more
+# than CI's budget has left: they run where this variable is set.
 _FAMILIES_VARIABLE = "PALLASOPT_WHOLE_STEP_FAMILIES"
 _FAMILY_F32_BYTES = {"muon": 1.03}
 _FAMILY_INT8_BYTES = {"lion": 0.97, "rmsprop": 0.97, "muon": 0.94}
