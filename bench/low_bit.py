@@ -33,7 +33,7 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -48,10 +48,12 @@ __all__ = [
     "LONG_SPIKE_STEPS",
     "SPIKE_PARAMS",
     "digits_mlp",
+    "largest_update",
     "spike_gradients",
     "random_signs",
     "vanishing",
     "sparse_bursts",
+    "step_updates",
     "largest_updates",
     "digits_run",
     "rows",
@@ -100,17 +102,28 @@ def sparse_bursts(steps: int = 60, seed: int = 1) -> list[dict[str, jax.Array]]:
           for _ in range(steps)]
 
 
+def step_updates(
+    tx: optax.GradientTransformation, grads: Sequence[Any], params: Any = None
+) -> Iterator[Any]:
+  """The updates of jitted ``tx.update`` from ``tx.init(params)`` over the gradient sequence."""
+  params = SPIKE_PARAMS if params is None else params
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  for g in grads:
+    u, state = update(g, state, params)
+    yield u
+
+
+def largest_update(u: Any, lr: float = LR) -> float:
+  """The largest |update| / lr of one step's updates (any tree)."""
+  return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(u)) / lr
+
+
 def largest_updates(
     tx: optax.GradientTransformation, grads: Sequence[Any], params: Any = None, lr: float = LR
 ) -> np.ndarray:
   """Per step, the largest |update| / lr of ``tx.update`` over the gradient sequence."""
-  params = SPIKE_PARAMS if params is None else params
-  update = jax.jit(tx.update)
-  state, largest = tx.init(params), []
-  for g in grads:
-    u, state = update(g, state, params)
-    largest.append(max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(u)) / lr)
-  return np.asarray(largest)
+  return np.asarray([largest_update(u, lr) for u in step_updates(tx, grads, params)])
 
 
 def digits_mlp(hidden: int) -> tuple[dict[str, jax.Array], Callable[[Any], jax.Array]]:
@@ -172,11 +185,14 @@ def rows() -> list[dict[str, Any]]:
       build = (lambda lr: reference(lr)) if fmt is None else (
           lambda lr, fmt=fmt: make(lr, state_format=fmt))
       tx = build(LR)
-      long_spike = largest_updates(tx, spike_gradients(steps=LONG_SPIKE_STEPS))
-      spike = long_spike[:len(spike_gradients())]
-      u, state = None, tx.init(SPIKE_PARAMS)
-      for g in spike_gradients():
-        u, state = jax.jit(tx.update)(g, state, SPIKE_PARAMS)
+      # One run of the long spike test; the spike test is its first steps.
+      spike_steps, long_spike, u = len(spike_gradients()), [], None
+      for step, update in enumerate(
+          step_updates(tx, spike_gradients(steps=LONG_SPIKE_STEPS)), start=1):
+        long_spike.append(largest_update(update))
+        u = update if step == spike_steps else u
+      long_spike = np.asarray(long_spike)
+      spike = long_spike[:spike_steps]
       loss, step = digits_run(build(digits_lr))
       out.append({
           "optimizer": name, "state_format": fmt,
