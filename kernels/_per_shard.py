@@ -237,8 +237,33 @@ def mesh_aware(call, reference, impl: str, elementwise: bool):
       return reference(*args, **kwargs)
     bound = lambda *a: call(*a, **kwargs)
     if in_context:
-      return _under_shard_map(bound, mesh, args, layout)
-    with jax.sharding.use_abstract_mesh(mesh):
-      return _under_shard_map(bound, mesh, args, layout)
+      out = _under_shard_map(bound, mesh, args, layout)
+    else:
+      with jax.sharding.use_abstract_mesh(mesh):
+        out = _under_shard_map(bound, mesh, args, layout)
+    return out if layout is not None else _in_operand_layout(out, args)
 
   return run
+
+
+def _in_operand_layout(outputs, args):
+  """Gathered ``outputs`` returned to the layout of the operands of their shape (Explicit axes).
+
+  A kernel run on gathered operands returns replicated arrays; an update or
+  state left so would change its type from step to step (the step compiled
+  again) and hold a whole copy on every device. Each output takes the layout
+  of the first sharded operand of its shape (a gradient's for the update and
+  the new momentum); outputs of no operand's shape stay replicated.
+  """
+  layouts = {}
+  for x in jax.tree.leaves(args):
+    spec = _compat.explicit_spec(x)
+    if spec is not None and any(axes is not None for axes in spec):
+      layouts.setdefault(tuple(jnp.shape(x)), spec)
+  if not layouts:
+    return outputs
+  return jax.tree.map(
+      lambda x: jax.sharding.reshard(x, layouts[tuple(jnp.shape(x))])
+      if tuple(jnp.shape(x)) in layouts else x,
+      outputs,
+  )

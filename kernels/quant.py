@@ -396,12 +396,21 @@ def _sharding(x, leading: int | None = None):
 def _block_rows(x):
   """``x`` as rows of one block each, in the order of its scales (`scales_shape`) + (BLOCK,).
 
-  Whole blocks keep the leading dims (and their sharding); a ragged last
-  block is zero-padded (which changes no absmax).
+  Whole blocks keep the leading dims (and their sharding); rows of whole
+  blocks split as `scales_spec` splits their scales (the blocks like the
+  columns where each column shard holds whole blocks: no data moves), so
+  that the scales come out in the one layout the kernels and the state specs
+  use; a ragged last block is zero-padded (which changes no absmax).
   """
   if rows_hold_blocks(x.shape):
     *lead, rows, cols = x.shape
-    split = _reshape(x, (*lead, rows, cols // BLOCK, BLOCK), _sharding(x, len(lead) + 1))
+    sharding = _sharding(x)
+    if sharding is not None:
+      *outer, blocks, rows_axes = scales_spec(
+          x.shape, sharding.spec, dict(sharding.mesh.shape), exact=False)
+      sharding = jax.sharding.NamedSharding(
+          sharding.mesh, jax.sharding.PartitionSpec(*outer, rows_axes, blocks, None))
+    split = _reshape(x, (*lead, rows, cols // BLOCK, BLOCK), sharding)
     return jnp.swapaxes(split, -2, -3)
   blocks = scales_shape(x.shape)
   size = math.prod(x.shape)

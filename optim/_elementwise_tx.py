@@ -437,10 +437,11 @@ def elementwise_transform(
     return (first, *(m for (m,) in new[1:]))
 
   def init_fn(params):
-    # The first moment in mu_dtype, the others (and mu by default) as the params.
+    # The first moment in mu_dtype, the others (and mu by default) as the params;
+    # laid out as the params (`zeros_like` keeps a sharded type), as Optax's are.
     dtypes = [mu_dtype] + [None] * (num_moments - 1)
     zeros = [
-        jax.tree.map(lambda p, d=d: jnp.zeros(jnp.shape(p), d or jnp.result_type(p)), params)
+        jax.tree.map(lambda p, d=d: jnp.zeros_like(p, d or jnp.result_type(p)), params)
         for d in dtypes
     ]
     moments = stored_moment_trees(zeros, params, roles=roles, state_format=state_format)

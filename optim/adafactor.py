@@ -258,9 +258,10 @@ def adafactor(
     return (first, *(x[0] for x in new_factored[1:]), m)
 
   def init_fn(params):
-    v_row, v_col, v_full = (
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree) for tree in expected_state(params)
-    )
+    # An array of its leaf's shape is laid out as the leaf (`zeros_like` keeps a sharded type).
+    zeros = lambda s, p: (
+        jnp.zeros_like(p, s.dtype) if s.shape == jnp.shape(p) else jnp.zeros(s.shape, s.dtype))
+    v_row, v_col, v_full = (jax.tree.map(zeros, tree, params) for tree in expected_state(params))
     factored_state = optax.FactoredState(
         count=jnp.zeros([], jnp.int32), v_row=v_row, v_col=v_col, v=v_full
     )

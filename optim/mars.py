@@ -99,7 +99,7 @@ def scale_by_mars(
   mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
 
   def init_fn(params):
-    zeros = lambda dtype: jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype or p.dtype), params)
+    zeros = lambda dtype: jax.tree.map(lambda p: jnp.zeros_like(p, dtype or p.dtype), params)
     return ScaleByMarsState(jnp.zeros([], jnp.int32), zeros(mu_dtype), zeros(None), zeros(mu_dtype))
 
   def update_fn(updates, state, params=None):

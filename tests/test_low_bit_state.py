@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from hypothesis import given, settings, strategies as st
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallasopt
 from helpers import (
@@ -553,6 +553,17 @@ def test_sharding_specs_and_a_sharded_step(fmt):
   got = jax.jit(tx.apply_gradients)(
       shard(params, specs), shard(grads, specs), shard(state, state_specs))
   _assert_same(jax.device_get(got), jax.device_get(want), "sharded")
+  # Initialised from params whose types carry their layout (the mesh's axes
+  # are Explicit), the state is laid out as the specs declare, and a step
+  # keeps that layout (so compiles once); the step count is a scalar, as Optax's.
+  assert mesh.axis_types == (jax.sharding.AxisType.Explicit,)
+  sharded_state = tx.init(shard(params, specs))
+  laid_out = lambda tree: jax.tree.leaves(jax.tree.map(
+      lambda x, s: x.ndim == 0 or x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim),
+      tree, state_specs))
+  assert all(laid_out(sharded_state))
+  assert all(laid_out(jax.jit(tx.apply_gradients)(
+      shard(params, specs), shard(grads, specs), sharded_state)[1]))
 
 
 @pytest.mark.parametrize("name,config", [

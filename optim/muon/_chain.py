@@ -143,7 +143,7 @@ class MuonChain:
     opts = self.options
     mu = jax.tree.map(
         lambda p: stored_moment(
-            jnp.zeros(jnp.shape(p), jnp.float32), p, state_format=opts.state_format,
+            jnp.zeros_like(p, jnp.float32), p, state_format=opts.state_format,
             dtype=opts.mu_dtype,
         ),
         params,
