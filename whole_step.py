@@ -7,7 +7,9 @@ TPU, the output fusion of each weight-gradient matmul), so that the gradient
 never reaches HBM, while a Pallas kernel, a custom call, needs it written and
 read back. This module builds the step users jit: loss, ``jax.value_and_grad``
 and the optimizer, params and state donated, in the forms users write it
-(`FORMS`), on two decoder families written in plain JAX (`DECODERS`):
+(`FORMS`), on two decoder families written in plain JAX (`DECODERS`), or
+on any `Model` (``bench.whole_step`` measures Hugging Face's Flax decoders,
+written apart from this project, through it):
 
 * GPT-2 (Radford et al., 2019): learned positions, LayerNorm with biases,
   GELU MLP of 4 d, biases everywhere, the head tied to the embedding;
@@ -26,7 +28,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +36,13 @@ import optax
 
 __all__ = [
     "Decoder",
+    "Model",
     "DECODERS",
     "FORMS",
     "param_shapes",
     "init_params",
     "loss",
+    "next_token_loss",
     "train_step",
     "measure",
     "peak_bytes",
@@ -70,6 +74,23 @@ class Decoder:
   n_ctx: int = 1024
 
 
+@runtime_checkable
+class Model(Protocol):
+  """A decoder written elsewhere, as the step functions here take it beside a `Decoder`.
+
+  Attributes:
+    vocab: the vocabulary size (tokens are drawn below it).
+  """
+
+  vocab: int
+
+  def param_shapes(self) -> Any:
+    """The params as ``jax.ShapeDtypeStruct``s (a pytree)."""
+
+  def loss(self, params: Any, tokens: jax.Array) -> jax.Array:
+    """The mean next-token loss of ``tokens`` (batch, time + 1) under ``params``."""
+
+
 # The decoders the whole-step tier and bench compile: GPT-2 small (124M), and
 # Llama shapes whose MLP and vocabulary rows are wider than a kernel's row
 # block (5632, 11008, 32000, 128256 columns), at 2 layers so that a compile
@@ -92,8 +113,10 @@ DECODERS: dict[str, Decoder] = {
 FORMS = ("update", "fused", "clip", "clip-fused", "accumulate")
 
 
-def param_shapes(model: Decoder) -> dict[str, Any]:
-  """The model's params as f32 ``jax.ShapeDtypeStruct``s."""
+def param_shapes(model: Decoder | Model) -> Any:
+  """The model's params as ``jax.ShapeDtypeStruct``s (a `Decoder`'s: f32)."""
+  if isinstance(model, Model):
+    return model.param_shapes()
   d, f = model.d_model, model.d_ff
   head = d // model.n_heads
   if model.family == "gpt2":
@@ -121,7 +144,7 @@ def param_shapes(model: Decoder) -> dict[str, Any]:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def init_params(model: Decoder, key: jax.Array) -> dict[str, Any]:
+def init_params(model: Decoder | Model, key: jax.Array) -> dict[str, Any]:
   """Params drawn from N(0, 0.02^2) (GPT-2's init), one key per leaf; one compiled program."""
   shapes = param_shapes(model)
   keys = iter(jax.random.split(key, len(jax.tree.leaves(shapes))))
@@ -201,12 +224,18 @@ def _llama_logits(model: Decoder, params, tokens):
   return _matmul(_rms_norm(x, params["final_norm"]), params["head"])
 
 
-def loss(model: Decoder, params, tokens: jax.Array) -> jax.Array:
-  """Mean next-token cross-entropy of ``tokens`` (batch, time + 1) under ``params``."""
-  logits_of = _gpt2_logits if model.family == "gpt2" else _llama_logits
-  logits = logits_of(model, params, tokens[:, :-1])
-  log_probs = jax.nn.log_softmax(logits, axis=-1)
+def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Mean cross-entropy, in f32, of ``tokens[:, 1:]`` under ``logits`` of ``tokens[:, :-1]``."""
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return -jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1).mean()
+
+
+def loss(model: Decoder | Model, params, tokens: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy of ``tokens`` (batch, time + 1) under ``params``."""
+  if isinstance(model, Model):
+    return model.loss(params, tokens)
+  logits_of = _gpt2_logits if model.family == "gpt2" else _llama_logits
+  return next_token_loss(logits_of(model, params, tokens[:, :-1]), tokens)
 
 
 def _in_form(tx: optax.GradientTransformation, form: str) -> optax.GradientTransformation:
@@ -220,7 +249,7 @@ def _in_form(tx: optax.GradientTransformation, form: str) -> optax.GradientTrans
 
 
 def train_step(
-    model: Decoder, tx: optax.GradientTransformation, form: str = "update"
+    model: Decoder | Model, tx: optax.GradientTransformation, form: str = "update"
 ) -> tuple[Callable, optax.GradientTransformation]:
   """One train step ``(params, opt_state, tokens) -> (params, opt_state, loss)``.
 
@@ -256,7 +285,7 @@ def peak_bytes(compiled) -> int:
 
 
 def measure(
-    model: Decoder,
+    model: Decoder | Model,
     tx: optax.GradientTransformation,
     target: str,
     form: str = "update",

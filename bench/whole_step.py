@@ -24,6 +24,7 @@ user sees (``bench/device.sh step``), on a CPU the XLA paths only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -43,8 +44,70 @@ FAMILIES = {
 }
 
 
-def _transforms(family: str) -> list[tuple[str, object]]:
-  """``(case, transform)``: the baseline first, then pallasopt's under ``"auto"``."""
+@dataclasses.dataclass(frozen=True)
+class HuggingFaceDecoder:
+  """A `pallasopt.whole_step.Decoder`'s shape built by Hugging Face's Flax code.
+
+  A decoder written apart from this project (``transformers``' Flax GPT-2
+  and Llama, ``transformers<4.50`` with ``flax``; not a dependency of
+  pallasopt): its own param layout (GPT-2's projections stored transposed,
+  its own names and nesting), attention, masking and init, and its own mixed
+  precision (``dtype=bfloat16``: every activation in bf16, params f32), run
+  with dropout off. A `pallasopt.whole_step.Model`.
+  """
+
+  shape: object  # the pallasopt.whole_step.Decoder whose sizes it takes
+
+  @property
+  def vocab(self) -> int:
+    return self.shape.vocab
+
+  @functools.cached_property
+  def _module(self):
+    import jax.numpy as jnp
+    import transformers
+
+    d = self.shape
+    if d.family == "gpt2":
+      config = transformers.GPT2Config(
+          n_embd=d.d_model, n_layer=d.n_layer, n_head=d.n_heads, n_inner=d.d_ff,
+          vocab_size=d.vocab, n_positions=d.n_ctx)
+      make = transformers.FlaxGPT2LMHeadModel
+    else:
+      config = transformers.LlamaConfig(
+          hidden_size=d.d_model, num_hidden_layers=d.n_layer, num_attention_heads=d.n_heads,
+          num_key_value_heads=d.n_kv_heads, intermediate_size=d.d_ff, vocab_size=d.vocab,
+          tie_word_embeddings=False)
+      make = transformers.FlaxLlamaForCausalLM
+    return make(config, dtype=jnp.bfloat16, _do_init=False)
+
+  def param_shapes(self):
+    import jax
+
+    return jax.eval_shape(lambda key: self._module.init_weights(key, (1, 8)), jax.random.key(0))
+
+  def loss(self, params, tokens):
+    from pallasopt import whole_step
+
+    logits = self._module(tokens[:, :-1], params=params, train=False).logits
+    return whole_step.next_token_loss(logits, tokens)
+
+
+def _decoder(model: str):
+  """``DECODERS[model]``, or for ``hf-<name>`` the `HuggingFaceDecoder` of that shape."""
+  from pallasopt import whole_step
+
+  if model.startswith("hf-"):
+    return HuggingFaceDecoder(whole_step.DECODERS[model[3:]])
+  return whole_step.DECODERS[model]
+
+
+def _transforms(family: str, states=None) -> list[tuple[str, object]]:
+  """``(case, transform)``: the baseline first, then pallasopt's under ``"auto"``.
+
+  ``states``: the state formats to build pallasopt's in (``"f32"``,
+  ``"int8"``, ``"int4"``; default every one the family has).
+  """
   import optax
 
   from pallasopt import optim
@@ -59,13 +122,21 @@ def _transforms(family: str) -> list[tuple[str, object]]:
     baseline = (f"optax.{optax_name}", make(lr, **kwargs))
   cases = [baseline]
   for fmt in formats:
+    if states is not None and (fmt or "f32") not in states:
+      continue
     extra = {} if fmt is None else {"state_format": fmt}
     cases.append((f"auto {fmt or 'f32'}", ours(lr, **kwargs, **extra)))
   return cases
 
 
-def measure(target: str, model: str, family: str = "adamw", forms=None) -> list[dict]:
+def measure(
+    target: str, model: str, family: str = "adamw", forms=None, states=None
+) -> list[dict]:
   """One row per form and case of ``family`` on ``model`` for ``target``.
+
+  ``model``: a name of `pallasopt.whole_step.DECODERS`, or ``hf-<name>`` for
+  that shape as Hugging Face's Flax code builds it (`HuggingFaceDecoder`);
+  ``states``: as `_transforms`.
 
   Each row holds the HBM bytes per parameter, the peak memory, the kernels,
   and their ratios against the baseline's step in the same form; the
@@ -75,12 +146,12 @@ def measure(target: str, model: str, family: str = "adamw", forms=None) -> list[
 
   from pallasopt import compiled_traffic, whole_step
 
-  decoder = whole_step.DECODERS[model]
+  decoder = _decoder(model)
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(whole_step.param_shapes(decoder)))
   rows, optax_update = [], None
   for form in forms or whole_step.FORMS:
     baseline = None
-    for case, tx in _transforms(family):
+    for case, tx in _transforms(family, states):
       if baseline is None and form == "fused" and optax_update is not None:
         traffic, peak = optax_update  # apply_gradients runs update + apply for Optax's transforms
       else:
@@ -106,12 +177,12 @@ def measure(target: str, model: str, family: str = "adamw", forms=None) -> list[
 
 def time_steps(
     model: str, family: str = "adamw", forms=None, steps: int = 10, *,
-    decoder=None, batch: tuple[int, int] = (4, 512),
+    decoder=None, batch: tuple[int, int] = (4, 512), states=None,
 ) -> list[dict]:
   """Times each form and case of ``family`` on ``model`` on this process's first device.
 
-  ``decoder``: the `pallasopt.whole_step.Decoder` (default
-  ``DECODERS[model]``). Random params (normal, 0.02) and tokens; each step
+  ``decoder``: the `pallasopt.whole_step.Decoder` or ``Model`` (default:
+  ``model`` read as `measure` reads it); ``states``: as `_transforms`. Random params (normal, 0.02) and tokens; each step
   jitted with params and state donated, compiled and run once, then timed
   ``steps`` times end to end (``block_until_ready`` on the loss). One row
   per form and case: the median and fastest milliseconds, and the median
@@ -123,13 +194,13 @@ def time_steps(
 
   from pallasopt import whole_step
 
-  decoder = decoder or whole_step.DECODERS[model]
+  decoder = decoder or _decoder(model)
   device = jax.devices()[0]
   tokens = jax.random.randint(jax.random.key(1), (batch[0], batch[1] + 1), 0, decoder.vocab)
   rows = []
   for form in forms or whole_step.FORMS:
     baseline = None
-    for case, tx in _transforms(family):
+    for case, tx in _transforms(family, states):
       step, tx = whole_step.train_step(decoder, tx, form)
       params = whole_step.init_params(decoder, jax.random.key(0))
       state = tx.init(params)
@@ -183,9 +254,14 @@ def main(argv=None) -> None:
 
   parser = argparse.ArgumentParser(prog="python -m bench.whole_step", description=__doc__)
   parser.add_argument("--target", default="v5e")
-  parser.add_argument("--model", choices=list(whole_step.DECODERS), action="append")
+  parser.add_argument("--model", action="append",
+                      choices=[*whole_step.DECODERS, *(f"hf-{m}" for m in whole_step.DECODERS)],
+                      help="hf-<name>: that decoder as Hugging Face's Flax code builds it "
+                           "(transformers<4.50 and flax installed)")
   parser.add_argument("--family", choices=list(FAMILIES), action="append")
   parser.add_argument("--form", choices=list(whole_step.FORMS), action="append")
+  parser.add_argument("--state", choices=["f32", "int8", "int4"], action="append",
+                      help="pallasopt's state formats to measure (default: all the family has)")
   parser.add_argument("--json")
   parser.add_argument("--plot")
   parser.add_argument("--time", type=int, metavar="STEPS",
@@ -198,7 +274,7 @@ def main(argv=None) -> None:
     rows = []
     for model in args.model or ["llama-1b-2l"]:
       for family in args.family or ["adamw"]:
-        rows += time_steps(model, family, args.form, args.time)
+        rows += time_steps(model, family, args.form, args.time, states=args.state)
     if args.json:
       with open(args.json, "w") as f:
         json.dump({"batch": [4, 512], **_provenance(), "measured_on": rows[0]["device"],
@@ -210,7 +286,7 @@ def main(argv=None) -> None:
   rows = []
   for model in args.model or ["gpt2-small", "llama-1b-2l"]:
     for family in args.family or ["adamw"]:
-      rows += measure(args.target, model, family, args.form)
+      rows += measure(args.target, model, family, args.form, args.state)
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"target": args.target, "batch": [4, 512], **_provenance(), "rows": rows},
