@@ -357,11 +357,13 @@ def test_transform_paths_agree_in_every_impl(make, fmt):
     for k in got:
       assert got[k].dtype == want[k].dtype
       assert_close(got[k], want[k], tolerance(got[k].dtype), k)
-  # A different seed draws different roundings.
-  tx = make(1e-2, state_format=fmt, param_rounding="stochastic", seed=12, impl="xla")
-  other = jax.jit(tx.apply_gradients)(params, _grads(params, 0), tx.init(params))
-  assert not np.array_equal(np.asarray(other[0]["e"], np.float32),
-                            np.asarray(first_step["e"], np.float32))
+  if fmt == "int8":
+    # A different seed draws different roundings (of the params: the same
+    # code whatever the state format, so checked once per family).
+    tx = make(1e-2, state_format=fmt, param_rounding="stochastic", seed=12, impl="xla")
+    other = jax.jit(tx.apply_gradients)(params, _grads(params, 0), tx.init(params))
+    assert not np.array_equal(np.asarray(other[0]["e"], np.float32),
+                              np.asarray(first_step["e"], np.float32))
 
 
 def test_int8_steps_track_the_f32_optimizer():
