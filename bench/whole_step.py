@@ -15,6 +15,9 @@ parameter the HBM bytes the compiled module moves and its peak memory, each
 against the baseline in the same form. ``--json`` writes the rows (the
 compile tier asserts the issue's bounds on a subset: tests/test_aot_whole_step.py);
 ``--plot`` draws them. Compiles take ~30 s each for a TPU on a 2-core host.
+``--model hf-<name>`` compiles that decoder's shape as Hugging Face's Flax
+code builds it (`HuggingFaceDecoder`: a decoder written apart from this
+project; needs ``transformers<4.50``), ``--state`` picks the state formats.
 
 ``--time STEPS`` instead runs the steps on this process's device and times
 them (median of STEPS after a warm-up; `time_steps`): on a GPU the figures a
