@@ -185,7 +185,8 @@ def time_steps(
   """Times each form and case of ``family`` on ``model`` on this process's first device.
 
   ``decoder``: the `pallasopt.whole_step.Decoder` or ``Model`` (default:
-  ``model`` read as `measure` reads it); ``states``: as `_transforms`. Random params (normal, 0.02) and tokens; each step
+  ``model`` read as `measure` reads it); ``states``: as `_transforms`.
+  Random params (normal, 0.02) and tokens; each step
   jitted with params and state donated, compiled and run once, then timed
   ``steps`` times end to end (``block_until_ready`` on the loss). One row
   per form and case: the median and fastest milliseconds, and the median

@@ -153,10 +153,17 @@ def _typed_layout(args) -> PartitionSpec:
   The first operand of the leaf's shape sharded over Explicit axes;
   replicated if none is.
   """
-  leaves = jax.tree.leaves(args)
-  leaf = _leaf_shape(leaves)
-  specs = (_compat.explicit_spec(x) for x in leaves if tuple(jnp.shape(x)) == leaf)
-  return next((s for s in specs if s is not None), PartitionSpec())
+  return _operand_layouts(args).get(_leaf_shape(jax.tree.leaves(args)), PartitionSpec())
+
+
+def _operand_layouts(args) -> dict[tuple[int, ...], PartitionSpec]:
+  """Per shape, the layout of the first operand of that shape sharded over Explicit axes."""
+  layouts = {}
+  for x in jax.tree.leaves(args):
+    spec = _compat.explicit_spec(x)
+    if spec is not None:
+      layouts.setdefault(tuple(jnp.shape(x)), spec)
+  return layouts
 
 
 def _lowered_layout(target: Target, mesh, operands: Sequence[object]) -> PartitionSpec | None:
@@ -255,13 +262,7 @@ def _in_operand_layout(outputs, args):
   of the first sharded operand of its shape (a gradient's for the update and
   the new momentum); outputs of no operand's shape stay replicated.
   """
-  layouts = {}
-  for x in jax.tree.leaves(args):
-    spec = _compat.explicit_spec(x)
-    if spec is not None and any(axes is not None for axes in spec):
-      layouts.setdefault(tuple(jnp.shape(x)), spec)
-  if not layouts:
-    return outputs
+  layouts = _operand_layouts(args)
   return jax.tree.map(
       lambda x: jax.sharding.reshard(x, layouts[tuple(jnp.shape(x))])
       if tuple(jnp.shape(x)) in layouts else x,
