@@ -10,6 +10,7 @@ TPU, reads the same way.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -47,6 +48,7 @@ _FREE = frozenset({
 _RELAYOUT = frozenset({"copy", "transpose", "reshape"})
 # Custom calls that move no data: buffers XLA lays side by side.
 _FREE_CALLS = re.compile(r'custom_call_target="ConcatBitcast"')
+_MATMUL = re.compile(r"\s(dot|convolution)\(")
 _COLLECTIVE = re.compile(r"^(all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute)")
 
 
@@ -77,6 +79,12 @@ class Traffic:
       takes each kernel's declared estimate verbatim and counts an array XLA
       prefetches into VMEM twice (at the copy and at its reader).
     temp_bytes: ``memory_analysis()``'s temporary buffers.
+    hbm_by_kind: ``hbm_bytes`` split by what moves them, ``(kind, bytes)``
+      from the most: a fusion by its kind and whether it fuses a matmul
+      (``"fusion kOutput + matmul"``: where XLA fuses an update into a
+      weight gradient's producer), a custom call by its target (a kernel),
+      any other op by its opcode (``"slice-start"``: prefetches into VMEM).
+      Two modules' splits show where one moves more than the other.
   """
 
   hbm_bytes: int
@@ -87,6 +95,7 @@ class Traffic:
   xla_bytes: float | None
   temp_bytes: int | None
   branch_hbm_bytes: int = 0
+  hbm_by_kind: tuple[tuple[str, int], ...] = ()
 
   @property
   def relayout_bytes(self) -> int:
@@ -178,12 +187,28 @@ class _Counts(NamedTuple):
   collectives: list
   kernels: int
   branch_hbm: int
+  by_kind: collections.Counter
+
+
+def _kind(opcode: str, rest: str, bodies: dict[str, list[str]]) -> str:
+  """An op's kind for `Traffic.hbm_by_kind`."""
+  if opcode == "fusion":
+    kind = re.search(r"kind=(k\w+)", rest)
+    called = re.search(r"calls=%([\w.\-]+)", rest)
+    body = bodies.get(called.group(1), []) if called else []
+    matmul = any(_MATMUL.search(line) for line in body)
+    return f"fusion {kind.group(1) if kind else ''}{' + matmul' if matmul else ''}".strip()
+  if opcode == "custom-call":
+    target = re.search(r'custom_call_target="([^"]+)"', rest)
+    return f"custom-call {target.group(1)}" if target else opcode
+  return opcode
 
 
 def _computation_traffic(name: str, bodies: dict[str, list[str]]) -> _Counts:
   """HBM bytes, relayouts, collectives, kernels and branch bytes of one computation."""
   sizes: dict[str, int] = {}
   hbm, relayouts, collectives, kernels, branch_hbm = 0, [], [], 0, 0
+  by_kind = collections.Counter()
   for line in bodies[name]:
     match = INSTRUCTION.match(line)
     if match is None:
@@ -194,9 +219,14 @@ def _computation_traffic(name: str, bodies: dict[str, list[str]]) -> _Counts:
       continue
     operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
     if opcode in ("copy-start", "slice-start"):
-      hbm += _async_bytes(opcode, type_text)
+      moved = _async_bytes(opcode, type_text)
     elif opcode != "conditional":  # its branches move what it moves
-      hbm += result + sum(sizes.get(o, 0) for o in operands)
+      moved = result + sum(sizes.get(o, 0) for o in operands)
+    else:
+      moved = 0
+    hbm += moved
+    if moved:
+      by_kind[_kind(opcode, rest, bodies)] += moved
     if opcode in _RELAYOUT or (opcode == "fusion" and re.match(r"(copy|transpose)", op)):
       relayouts.append((op, _bytes(type_text, hbm_only=False)))
     if _COLLECTIVE.match(opcode) and not opcode.endswith("-done"):
@@ -211,7 +241,7 @@ def _computation_traffic(name: str, bodies: dict[str, list[str]]) -> _Counts:
         collectives += b.collectives
         kernels += b.kernels
       branch_hbm += max((b.hbm + b.branch_hbm for b in branches), default=0)
-  return _Counts(hbm, relayouts, collectives, kernels, branch_hbm)
+  return _Counts(hbm, relayouts, collectives, kernels, branch_hbm, by_kind)
 
 
 def traffic(compiled) -> Traffic:
@@ -228,6 +258,7 @@ def traffic(compiled) -> Traffic:
       counts.hbm, tuple(counts.relayouts), tuple(op for op, _ in counts.collectives),
       sum(nbytes for _, nbytes in counts.collectives), counts.kernels,
       (cost or {}).get("bytes accessed"), temp, counts.branch_hbm,
+      tuple(counts.by_kind.most_common()),
   )
 
 

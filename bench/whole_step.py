@@ -17,7 +17,9 @@ compile tier asserts the issue's bounds on a subset: tests/test_aot_whole_step.p
 ``--plot`` draws them. Compiles take ~30 s each for a TPU on a 2-core host.
 ``--model hf-<name>`` compiles that decoder's shape as Hugging Face's Flax
 code builds it (`HuggingFaceDecoder`: a decoder written apart from this
-project; needs ``transformers<4.50``), ``--state`` picks the state formats.
+project; needs ``transformers<4.50``), ``--state`` picks the state formats,
+``--breakdown`` prints where each step moves more or less than the baseline's
+(MiB by kind of op: matmul fusions, kernels, loop fusions, VMEM prefetches).
 
 ``--time STEPS`` instead runs the steps on this process's device and times
 them (median of STEPS after a warm-up; `time_steps`): on a GPU the figures a
@@ -132,8 +134,17 @@ def _transforms(family: str, states=None) -> list[tuple[str, object]]:
   return cases
 
 
+def _by_kind_beyond(traffic, baseline) -> dict[str, float]:
+  """MiB each kind of op (`Traffic.hbm_by_kind`) moves beyond the baseline's, most first."""
+  ours, theirs = dict(traffic.hbm_by_kind), dict(baseline.hbm_by_kind)
+  beyond = {k: round((ours.get(k, 0) - theirs.get(k, 0)) / 2**20, 1)
+            for k in ours.keys() | theirs.keys()}
+  return dict(sorted(((k, v) for k, v in beyond.items() if v), key=lambda kv: -abs(kv[1])))
+
+
 def measure(
-    target: str, model: str, family: str = "adamw", forms=None, states=None
+    target: str, model: str, family: str = "adamw", forms=None, states=None,
+    breakdown: bool = False,
 ) -> list[dict]:
   """One row per form and case of ``family`` on ``model`` for ``target``.
 
@@ -143,7 +154,10 @@ def measure(
 
   Each row holds the HBM bytes per parameter, the peak memory, the kernels,
   and their ratios against the baseline's step in the same form; the
-  relayouts of 1 MiB or more the step has beyond the baseline's.
+  relayouts of 1 MiB or more the step has beyond the baseline's; and the MiB
+  each kind of op moves beyond the baseline's (``mib_by_kind_beyond_baseline``:
+  where a step moves more or less, e.g. the update leaving the matmul
+  fusions for kernels), printed too with ``breakdown``.
   """
   import jax
 
@@ -170,11 +184,15 @@ def measure(
           peak_mib=peak / 2**20, peak_vs_baseline=peak / baseline[1],
           kernels=traffic.kernels,
           extra_relayout_mib=compiled_traffic.relayout_bytes_beyond(traffic, baseline[0]) / 2**20,
+          mib_by_kind_beyond_baseline=_by_kind_beyond(traffic, baseline[0]),
       ))
       print(f"{model} {family} {form:10s} {case:22s} {rows[-1]['hbm_per_param']:7.2f} B/param "
             f"({rows[-1]['hbm_vs_baseline']:.3f}x)  peak {rows[-1]['peak_mib']:6.0f} MiB "
             f"({rows[-1]['peak_vs_baseline']:.3f}x)  kernels {traffic.kernels:3d}  "
             f"extra relayouts {rows[-1]['extra_relayout_mib']:.1f} MiB", flush=True)
+      if breakdown and not rows[-1]["baseline"]:
+        for kind, mib in rows[-1]["mib_by_kind_beyond_baseline"].items():
+          print(f"    {mib:+10.1f} MiB  {kind}")
   return rows
 
 
@@ -266,6 +284,9 @@ def main(argv=None) -> None:
   parser.add_argument("--form", choices=list(whole_step.FORMS), action="append")
   parser.add_argument("--state", choices=["f32", "int8", "int4"], action="append",
                       help="pallasopt's state formats to measure (default: all the family has)")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="print under each row the MiB each kind of op moves beyond the "
+                           "baseline's")
   parser.add_argument("--json")
   parser.add_argument("--plot")
   parser.add_argument("--time", type=int, metavar="STEPS",
@@ -290,7 +311,7 @@ def main(argv=None) -> None:
   rows = []
   for model in args.model or ["gpt2-small", "llama-1b-2l"]:
     for family in args.family or ["adamw"]:
-      rows += measure(args.target, model, family, args.form, args.state)
+      rows += measure(args.target, model, family, args.form, args.state, args.breakdown)
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"target": args.target, "batch": [4, 512], **_provenance(), "rows": rows},
