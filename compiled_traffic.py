@@ -197,7 +197,8 @@ def _kind(opcode: str, rest: str, bodies: dict[str, list[str]]) -> str:
     called = re.search(r"calls=%([\w.\-]+)", rest)
     body = bodies.get(called.group(1), []) if called else []
     matmul = any(_MATMUL.search(line) for line in body)
-    return f"fusion {kind.group(1) if kind else ''}{' + matmul' if matmul else ''}".strip()
+    words = ["fusion"] + ([kind.group(1)] if kind else []) + (["+ matmul"] if matmul else [])
+    return " ".join(words)
   if opcode == "custom-call":
     target = re.search(r'custom_call_target="([^"]+)"', rest)
     return f"custom-call {target.group(1)}" if target else opcode
@@ -205,7 +206,7 @@ def _kind(opcode: str, rest: str, bodies: dict[str, list[str]]) -> str:
 
 
 def _computation_traffic(name: str, bodies: dict[str, list[str]]) -> _Counts:
-  """HBM bytes, relayouts, collectives, kernels and branch bytes of one computation."""
+  """HBM bytes (also by kind), relayouts, collectives, kernels, branch bytes of one computation."""
   sizes: dict[str, int] = {}
   hbm, relayouts, collectives, kernels, branch_hbm = 0, [], [], 0, 0
   by_kind = collections.Counter()
