@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 __all__ = [
     "COMPILED_CALLS", "INSTRUCTION", "Traffic", "traffic", "relayouts_at_least",
-    "relayout_bytes_beyond",
+    "relayout_bytes_beyond", "bytes_by_kind_beyond",
 ]
 
 # What each compiled kernel is called in a compiled module's HLO.
@@ -272,3 +272,16 @@ def relayout_bytes_beyond(t: Traffic, baseline: Traffic, nbytes: int = 1 << 20) 
   """The bytes ``t``'s relayouts of ``nbytes`` or more move beyond ``baseline``'s (a step compiled alike)."""
   moved = lambda traffic: sum(b for _, b in relayouts_at_least(traffic, nbytes))
   return moved(t) - moved(baseline)
+
+
+def bytes_by_kind_beyond(t: Traffic, baseline: Traffic) -> dict[str, int]:
+  """The bytes each kind of op (`Traffic.hbm_by_kind`) moves in ``t`` beyond ``baseline``.
+
+  Kinds that move the same in both are left out; the largest change (either
+  sign) comes first. Where a step moves more than its baseline, this says
+  which ops do: e.g. a custom call that took an update out of the matmul
+  fusions shows as ``+`` kernel bytes and ``-`` ``"fusion kOutput + matmul"``.
+  """
+  ours, theirs = dict(t.hbm_by_kind), dict(baseline.hbm_by_kind)
+  beyond = {k: ours.get(k, 0) - theirs.get(k, 0) for k in ours.keys() | theirs.keys()}
+  return dict(sorted(((k, v) for k, v in beyond.items() if v), key=lambda kv: -abs(kv[1])))

@@ -134,12 +134,12 @@ def _transforms(family: str, states=None) -> list[tuple[str, object]]:
   return cases
 
 
-def _by_kind_beyond(traffic, baseline) -> dict[str, float]:
-  """MiB each kind of op (`Traffic.hbm_by_kind`) moves beyond the baseline's, most first."""
-  ours, theirs = dict(traffic.hbm_by_kind), dict(baseline.hbm_by_kind)
-  beyond = {k: round((ours.get(k, 0) - theirs.get(k, 0)) / 2**20, 1)
-            for k in ours.keys() | theirs.keys()}
-  return dict(sorted(((k, v) for k, v in beyond.items() if v), key=lambda kv: -abs(kv[1])))
+def _mib_by_kind_beyond(traffic, baseline) -> dict[str, float]:
+  """`compiled_traffic.bytes_by_kind_beyond` in MiB (to 0.1; smaller changes left out)."""
+  from pallasopt.compiled_traffic import bytes_by_kind_beyond
+
+  beyond = bytes_by_kind_beyond(traffic, baseline)
+  return {kind: mib for kind, nbytes in beyond.items() if (mib := round(nbytes / 2**20, 1))}
 
 
 def measure(
@@ -184,7 +184,7 @@ def measure(
           peak_mib=peak / 2**20, peak_vs_baseline=peak / baseline[1],
           kernels=traffic.kernels,
           extra_relayout_mib=compiled_traffic.relayout_bytes_beyond(traffic, baseline[0]) / 2**20,
-          mib_by_kind_beyond_baseline=_by_kind_beyond(traffic, baseline[0]),
+          mib_by_kind_beyond_baseline=_mib_by_kind_beyond(traffic, baseline[0]),
       ))
       print(f"{model} {family} {form:10s} {case:22s} {rows[-1]['hbm_per_param']:7.2f} B/param "
             f"({rows[-1]['hbm_vs_baseline']:.3f}x)  peak {rows[-1]['peak_mib']:6.0f} MiB "

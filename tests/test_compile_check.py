@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from pallasopt.compiled_traffic import traffic
+from pallasopt.compiled_traffic import Traffic, bytes_by_kind_beyond, traffic
 
 
 def test_traffic_counts_the_costliest_branch_of_a_conditional_apart():
@@ -39,3 +39,15 @@ def test_traffic_splits_its_bytes_by_what_moves_them():
   assert all(kinds.values()), t
   matmuls = [k for k in kinds if k.endswith("+ matmul") or k in ("dot", "convolution")]
   assert matmuls, t
+
+
+def test_bytes_by_kind_beyond_names_the_kinds_that_changed_largest_first():
+  # A step whose update left the matmul fusions for kernels: the kinds that
+  # changed, the largest change (either sign) first; unchanged kinds left out.
+  baseline = Traffic(100, (), (), 0, 0, None, None,
+                     hbm_by_kind=(("fusion kOutput + matmul", 80), ("copy-start", 20)))
+  ours = Traffic(110, (), (), 0, 16, None, None, hbm_by_kind=(
+      ("custom-call tpu_custom_call", 60), ("fusion kOutput + matmul", 30), ("copy-start", 20)))
+  beyond = bytes_by_kind_beyond(ours, baseline)
+  assert list(beyond.items()) == [("custom-call tpu_custom_call", 60), ("fusion kOutput + matmul", -50)]
+  assert sum(beyond.values()) == ours.hbm_bytes - baseline.hbm_bytes

@@ -14,7 +14,6 @@ import pallasopt
 from bench import whole_step as bench_whole_step
 from helpers import assert_trees_close
 from pallasopt import whole_step
-from pallasopt.compiled_traffic import Traffic
 
 # One block each: the forms and the optimizer do not depend on the depth, and
 # each block is compiled anew (the bench's decoders have two or more).
@@ -143,17 +142,3 @@ def test_the_bench_builds_every_familys_cases(family):
     updates, _ = jax.eval_shape(lambda g, p: tx.update(g, tx.init(p), p), grads, params)
     assert jax.tree.map(jnp.shape, updates) == jax.tree.map(jnp.shape, params)
 
-
-def test_the_bench_says_which_kinds_of_op_move_more_than_the_baselines():
-  # A step whose update left the matmul fusions for kernels: the kinds that
-  # changed, the largest change first; unchanged kinds left out.
-  mib = 2**20
-  baseline = Traffic(100 * mib, (), (), 0, 0, None, None,
-                     hbm_by_kind=(("fusion kOutput + matmul", 80 * mib), ("copy-start", 20 * mib)))
-  ours = Traffic(110 * mib, (), (), 0, 16, None, None, hbm_by_kind=(
-      ("custom-call tpu_custom_call", 60 * mib), ("fusion kOutput + matmul", 30 * mib),
-      ("copy-start", 20 * mib)))
-  assert bench_whole_step._by_kind_beyond(ours, baseline) == {
-      "custom-call tpu_custom_call": 60.0, "fusion kOutput + matmul": -50.0}
-  assert list(bench_whole_step._by_kind_beyond(ours, baseline)) == [
-      "custom-call tpu_custom_call", "fusion kOutput + matmul"]
