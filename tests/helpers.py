@@ -80,6 +80,10 @@ def tolerance(*dtypes) -> float:
   return 1e-2 if any(jnp.dtype(d) == jnp.bfloat16 for d in dtypes) else 2e-6
 
 
+def _f32(x) -> np.ndarray:
+  return np.asarray(x).astype(np.float32)
+
+
 def assert_close(actual, expected, rtol, err_msg="", *, operands=()):
   """|actual - expected| <= rtol * max|expected, operands| elementwise; NaN never passes.
 
@@ -87,12 +91,12 @@ def assert_close(actual, expected, rtol, err_msg="", *, operands=()):
   `operands` it was computed from, e.g. the old params of ``p + u``), so
   values that cancel to ~0 are judged at the scale the computation worked at.
   """
-  actual = np.asarray(jnp.asarray(actual, jnp.float32))
-  expected = np.asarray(jnp.asarray(expected, jnp.float32))
+  # Converted by NumPy (ml_dtypes): an eager jnp conversion compiles per shape.
+  actual, expected = _f32(actual), _f32(expected)
   assert actual.shape == expected.shape, (actual.shape, expected.shape, err_msg)
   assert np.all(np.isfinite(actual)), f"non-finite result {err_msg}"
   assert np.all(np.isfinite(expected)), f"non-finite expectation {err_msg}"
-  magnitudes = [expected] + [np.asarray(jnp.asarray(x, jnp.float32)) for x in operands]
+  magnitudes = [expected] + [_f32(x) for x in operands]
   scale = max(max(float(np.max(np.abs(x), initial=0.0)) for x in magnitudes), 1e-30)
   np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale, err_msg=err_msg)
 
@@ -147,14 +151,16 @@ def run_steps(tx, params, steps, fused, apply_gradients=None, *, feedback=True):
   otherwise through `tx.update` and `optax.apply_updates`. With `feedback`
   the gradients are taken at the current params, else at the initial ones.
   """
+  if fused:
+    step = lambda params, grads, state: apply_gradients(tx, params, grads, state)
+  else:
+    def step(params, grads, state):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+  step = jax.jit(step)  # one compile for the run, not one per op and leaf shape
   state, initial = tx.init(params), params
   for i in range(steps):
-    grads = step_grads(params if feedback else initial, i)
-    if fused:
-      params, state = apply_gradients(tx, params, grads, state)
-    else:
-      updates, state = tx.update(grads, state, params)
-      params = optax.apply_updates(params, updates)
+    params, state = step(params, step_grads(params if feedback else initial, i), state)
   return params, state
 
 
@@ -182,9 +188,9 @@ def run_optax_f32_math(make, kwargs, params, steps, fused, moment_of=None, *, fe
   math_tx = make(**{**kwargs, "mu_dtype": None}) if "mu_dtype" in kwargs else make(**kwargs)
   state = make(**kwargs).init(params)
   storage = jax.tree.map(lambda x: x.dtype, (params, state))
-  initial = params
-  for i in range(steps):
-    grads = step_grads(params if feedback else initial, i)
+
+  @jax.jit  # one compile for the run, not one per op and leaf shape
+  def step(params, grads, state):
     updates, new_state = math_tx.update(_upcast(grads), _upcast(state), _upcast(params))
     if not fused:
       moments = moment_of(state) if moment_of else params
@@ -193,7 +199,11 @@ def run_optax_f32_math(make, kwargs, params, steps, fused, moment_of=None, *, fe
           updates, params, moments,
       )
     new_params = optax.apply_updates(_upcast(params), updates)
-    params, state = jax.tree.map(lambda x, d: x.astype(d), (new_params, new_state), storage)
+    return jax.tree.map(lambda x, d: x.astype(d), (new_params, new_state), storage)
+
+  initial = params
+  for i in range(steps):
+    params, state = step(params, step_grads(params if feedback else initial, i), state)
   return params, state
 
 

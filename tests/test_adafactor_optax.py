@@ -84,9 +84,9 @@ def test_matches_optax_over_steps(
   # difference of a bf16 param can flip the sign of a near-zero gradient, and
   # on a 0-d leaf Adafactor's first steps are sign steps (|u| = clip * |p|),
   # so the two runs would follow different but equally right paths.
-  got = _run(_jitted(_xla(**kwargs)), params, 3, fused, feedback=False)
+  got = _run(_xla(**kwargs), params, 3, fused, feedback=False)
   want = run_optax_f32_math(
-      lambda **kw: _jitted(optax.adafactor(**kw)), kwargs, params, 3, fused,
+      optax.adafactor, kwargs, params, 3, fused,
       moment_of=_ema if momentum is not None else None, feedback=False,
   )
   # XLA's fused code may round x**-0.5 an ulp apart from Optax's; without a
@@ -113,8 +113,8 @@ def test_interpreted_kernels_match_optax():
   )
   params = {"w": _params()["dense"]["w"], "stack": _params()["stack"]}
   with use_impl("interpret"):
-    got = _run(_jitted(adafactor(**kwargs)), params, 3, True)
-  want = _run(_jitted(optax.adafactor(**kwargs)), params, 3, False)
+    got = _run(adafactor(**kwargs), params, 3, True)
+  want = _run(optax.adafactor(**kwargs), params, 3, False)
   assert_trees_close(got, want)
 
 
@@ -243,7 +243,7 @@ def test_fused_apply_equals_update_plus_apply_updates_under_jit_with_donation():
   fused = jax.jit(functools.partial(pallasopt.optim.apply_gradients, tx), donate_argnums=(0, 2))
   params = _params()
   state = tx.init(params)
-  want = _run(_jitted(tx), _params(), 3, fused=False)
+  want = _run(tx, _params(), 3, fused=False)
   for i in range(3):
     params, state = fused(params, step_grads(params, i), state)
   assert_trees_close((params, state), want)
@@ -279,9 +279,9 @@ def test_stacked_layers_update_like_separate_leaves(shape, stacked_axes):
   rng = np.random.default_rng(0)
   stacked = jnp.asarray(rng.standard_normal(shape), jnp.float32)
   got_params, got_state = _run(
-      _jitted(_xla(**kwargs, stacked_axes=stacked_axes)), {"w": stacked}, 3, True)
+      _xla(**kwargs, stacked_axes=stacked_axes), {"w": stacked}, 3, True)
   layers = stacked.reshape(-1, *shape[stacked_axes:])
-  optax_tx = _jitted(optax.adafactor(**kwargs))
+  optax_tx = optax.adafactor(**kwargs)
   for i, layer in enumerate(layers):
     want_params, want_state = _run(optax_tx, {"w": layer}, 3, False)
     index = np.unravel_index(i, shape[:stacked_axes])

@@ -297,16 +297,22 @@ def test_stochastic_codes_are_unbiased_and_land_next_to_the_value(codec, values)
   # standard deviation <= gap / (2 sqrt(n)). Allow 6 of them.
   n = 4096
   x = np.repeat(np.asarray(values, np.float32), 255 // len(values) + 1)[:255]
-  rows = _rows(np.tile(x, n))
-  keys = rounding.leaf_key(3, jnp.arange(n), 1)[:, None]
-  bits = rounding.code_bits(jnp.broadcast_to(keys, rows.shape), rows, 1)
   # As stored: e4m3 codes are f32 values that storing as float8 rounds (or keeps).
   stored = lambda c: c.astype(jnp.float8_e4m3fn).astype(jnp.float32) if codec == "e4m3" else c
-  codes, absmax = jax.jit(codecs.encode_rows, static_argnums=1)(rows, codec, bits)
-  np.testing.assert_array_equal(stored(codes), codes)  # stochastic codes are on the grid
-  got = np.asarray(codecs.decode_rows(codes, absmax, codec))[:, 1:].astype(np.float64)
-  codes, absmax = codecs.encode_rows(rows[:1], codec)
-  nearest = np.asarray(codecs.decode_rows(stored(codes), absmax, codec))[0, 1:]
+
+  @jax.jit  # one compile, not one per op
+  def encode_and_decode(rows):
+    keys = rounding.leaf_key(3, jnp.arange(n), 1)[:, None]
+    bits = rounding.code_bits(jnp.broadcast_to(keys, rows.shape), rows, 1)
+    codes, absmax = codecs.encode_rows(rows, codec, bits)
+    nearest_codes, nearest_absmax = codecs.encode_rows(rows[:1], codec)
+    return (codes, stored(codes), codecs.decode_rows(codes, absmax, codec),
+            codecs.decode_rows(stored(nearest_codes), nearest_absmax, codec))
+
+  codes, stored_codes, got, nearest = encode_and_decode(_rows(np.tile(x, n)))
+  np.testing.assert_array_equal(stored_codes, codes)  # stochastic codes are on the grid
+  got = np.asarray(got)[:, 1:].astype(np.float64)
+  nearest = np.asarray(nearest)[0, 1:]
   for value in values:
     column = got[:, np.flatnonzero(x == np.float32(value))].ravel()
     neighbours = np.unique(column)
