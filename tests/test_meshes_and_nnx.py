@@ -192,8 +192,9 @@ def test_muon_under_x64_matches_optax():
               "b": jnp.ones((6,), jnp.float32)}
     grads = jax.tree.map(lambda p: jnp.sin(p) + 0.5, params)
     ours, theirs = pallasopt.optim.muon(1e-2), optax.contrib.muon(1e-2)
-    u_ours, s_ours = ours.update(grads, ours.init(params), params)
-    u_theirs, _ = theirs.update(grads, theirs.init(params), params)
+    # Traced under x64 (jitted: its ops are this test's alone, each would compile eagerly).
+    u_ours, _ = jax.jit(ours.update)(grads, ours.init(params), params)
+    u_theirs, _ = jax.jit(theirs.update)(grads, theirs.init(params), params)
     assert jax.tree.map(lambda x: x.dtype, u_ours) == jax.tree.map(lambda x: x.dtype, u_theirs)
     _close(u_ours, u_theirs)
 
