@@ -2,6 +2,7 @@
 signatures, error messages, and stochastic rounding that happens or fails loudly."""
 
 import copy
+import functools
 import inspect
 
 import jax
@@ -130,13 +131,20 @@ def test_apply_gradients_clips_by_global_norm_as_the_optax_chain_does(name, stat
   params = {"w": jnp.zeros((64, 256)), "b": jnp.zeros((256,))}
   params = jax.tree.map(lambda p, q: p + q, params, step_grads(params, 7))
   ours, chain = make("interpret"), optax.chain(optax.clip_by_global_norm(1.0), make("xla"))
+  # Jitted: one compile per path for both steps, not one per op.
+  fused = jax.jit(functools.partial(pallasopt.optim.apply_gradients, ours, max_grad_norm=1.0))
+
+  @jax.jit
+  def chain_step(params, grads, state):
+    updates, state = chain.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
   got, want = (params, ours.init(params)), (params, chain.init(params))
   for i, size in enumerate([30.0, 0.5]):
     grads = step_grads(params, i)
     grads = jax.tree.map(lambda g: g * size / optax.tree.norm(grads), grads)
-    got = pallasopt.optim.apply_gradients(ours, got[0], grads, got[1], max_grad_norm=1.0)
-    updates, state = chain.update(grads, want[1], want[0])
-    want = (optax.apply_updates(want[0], updates), state)
+    got = fused(got[0], grads, got[1])
+    want = chain_step(want[0], grads, want[1])
     assert_trees_close(got[0], want[0])
     assert_trees_close(got[1], want[1][1])
 
