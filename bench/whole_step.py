@@ -134,12 +134,9 @@ def _transforms(family: str, states=None) -> list[tuple[str, object]]:
   return cases
 
 
-def _mib_by_kind_beyond(traffic, baseline) -> dict[str, float]:
-  """`compiled_traffic.bytes_by_kind_beyond` in MiB (to 0.1; smaller changes left out)."""
-  from pallasopt.compiled_traffic import bytes_by_kind_beyond
-
-  beyond = bytes_by_kind_beyond(traffic, baseline)
-  return {kind: mib for kind, nbytes in beyond.items() if (mib := round(nbytes / 2**20, 1))}
+def _in_mib(bytes_by_kind: dict[str, int]) -> dict[str, float]:
+  """Bytes by kind of op in MiB, to 0.1 (smaller changes left out)."""
+  return {kind: mib for kind, nbytes in bytes_by_kind.items() if (mib := round(nbytes / 2**20, 1))}
 
 
 def measure(
@@ -184,7 +181,8 @@ def measure(
           peak_mib=peak / 2**20, peak_vs_baseline=peak / baseline[1],
           kernels=traffic.kernels,
           extra_relayout_mib=compiled_traffic.relayout_bytes_beyond(traffic, baseline[0]) / 2**20,
-          mib_by_kind_beyond_baseline=_mib_by_kind_beyond(traffic, baseline[0]),
+          mib_by_kind_beyond_baseline=_in_mib(
+              compiled_traffic.bytes_by_kind_beyond(traffic, baseline[0])),
       ))
       print(f"{model} {family} {form:10s} {case:22s} {rows[-1]['hbm_per_param']:7.2f} B/param "
             f"({rows[-1]['hbm_vs_baseline']:.3f}x)  peak {rows[-1]['peak_mib']:6.0f} MiB "
