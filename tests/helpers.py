@@ -144,6 +144,18 @@ def step_grads(params, step):
   return jax.tree.map(lambda p: jnp.sin(p * (step + 1.0)) + 0.01 * step, params)
 
 
+def optax_step(tx):
+  """Optax's step of `tx`, jitted: ``(params, grads, state) -> (params, state)``
+  by ``tx.update`` and `optax.apply_updates`."""
+
+  @jax.jit
+  def step(params, grads, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
 def run_steps(tx, params, steps, fused, apply_gradients=None, *, feedback=True):
   """`steps` optimizer steps with `step_grads`; returns (params, state).
 
@@ -151,13 +163,11 @@ def run_steps(tx, params, steps, fused, apply_gradients=None, *, feedback=True):
   otherwise through `tx.update` and `optax.apply_updates`. With `feedback`
   the gradients are taken at the current params, else at the initial ones.
   """
+  # Jitted: one compile for the run, not one per op and leaf shape.
   if fused:
-    step = lambda params, grads, state: apply_gradients(tx, params, grads, state)
+    step = jax.jit(lambda params, grads, state: apply_gradients(tx, params, grads, state))
   else:
-    def step(params, grads, state):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-  step = jax.jit(step)  # one compile for the run, not one per op and leaf shape
+    step = optax_step(tx)
   state, initial = tx.init(params), params
   for i in range(steps):
     params, state = step(params, step_grads(params if feedback else initial, i), state)

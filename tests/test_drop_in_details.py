@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import pallasopt
-from helpers import assert_trees_close, step_grads
+from helpers import assert_trees_close, optax_step, step_grads
 
 _DROP_INS = ["adamw", "nadamw", "lion", "rmsprop", "adafactor", "muon", "mars", "kron",
              "quad", "skew"]
@@ -133,12 +133,7 @@ def test_apply_gradients_clips_by_global_norm_as_the_optax_chain_does(name, stat
   ours, chain = make("interpret"), optax.chain(optax.clip_by_global_norm(1.0), make("xla"))
   # Jitted: one compile per path for both steps, not one per op.
   fused = jax.jit(functools.partial(pallasopt.optim.apply_gradients, ours, max_grad_norm=1.0))
-
-  @jax.jit
-  def chain_step(params, grads, state):
-    updates, state = chain.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
+  chain_step = optax_step(chain)
   got, want = (params, ours.init(params)), (params, chain.init(params))
   for i, size in enumerate([30.0, 0.5]):
     grads = step_grads(params, i)
