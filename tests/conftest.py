@@ -18,6 +18,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+import cpu_threefry  # noqa: E402
+
 # One compilation cache for the run, fresh each time and shared by the
 # xdist workers (they inherit the controller's environment): tests of one
 # contract compile the same programs under new closures (each impl, each
@@ -62,21 +64,9 @@ def pytest_unconfigure(config):
 gc.set_threshold(*gc.get_threshold()[:2], 1000)
 
 
-# XLA:CPU compiles JAX's rolled threefry lowering (a while loop per random
-# draw: `jax.random`, Kron's probes, the low-bit codes' rounding bits) several
-# times slower than the straight-line lowering every other platform gets: an
-# eFormer QUAD step on three small leaves, 15 such loops, compiled in 2.3 s,
-# and in 1.2 s with the other rule. The bits are the same (integer
-# arithmetic, the same rounds); this only changes the tests' compile time.
-# Where a JAX release moves these internals, the tests run with JAX's rule.
-try:
-  from jax._src.random import threefry2x32 as _threefry
-  from jax.interpreters import mlir as _mlir
-
-  _mlir.register_lowering(_threefry.threefry2x32_p, _threefry._threefry2x32_lowering_rule,
-                          platform="cpu", inline=False)
-except (ImportError, AttributeError):
-  pass
+# Threefry's rounds are most of a random program's compile on XLA:CPU; the
+# tests' CPU programs draw the same bits from NumPy (`cpu_threefry`).
+cpu_threefry.install()
 
 
 # The default `ci` profile is derandomized, so `pytest -q` runs the same
