@@ -33,12 +33,15 @@ def _problem():
 
 
 def _steps(tx, params, grads, state, n=2):
-  step = jax.jit(functools.partial(pallasopt.optim.apply_gradients, tx))
-  update = jax.jit(lambda g, s, p: tx.update(g, s, p))
-  updates, _ = update(grads, state, params)
-  for _ in range(n):
-    params, state = step(params, grads, state)
-  return params, state, updates
+  """`n` applied steps from `state`, and `tx.update`'s first updates: one program."""
+
+  def steps(params, grads, state):
+    updates, _ = tx.update(grads, state, params)
+    step = lambda carry, _: (pallasopt.optim.apply_gradients(tx, carry[0], grads, carry[1]), None)
+    (params, state), _ = jax.lax.scan(step, (params, state), length=n)
+    return params, state, updates
+
+  return jax.jit(steps)(params, grads, state)
 
 
 def _close(a, b):
