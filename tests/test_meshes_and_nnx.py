@@ -137,8 +137,13 @@ def test_flax_nnx_optimizer_trains_with_every_optimizer(name):
     pure = optax.apply_updates(pure, updates)
 
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  for _ in range(3):
+
+  @nnx.jit  # as an nnx training loop steps: one program, not each op eagerly
+  def train_step(model, optimizer):
     optimizer.update(model, nnx.grad(loss)(model))
+
+  for _ in range(3):
+    train_step(model, optimizer)
   _close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), pure)
 
 
