@@ -99,8 +99,9 @@ def test_inside_shard_map_each_replica_orthogonalizes_its_share():
   # A pipeline stage's view: the data axis manual, every device a replica.
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   params, grads = _problem()
-  want = pallasopt.optim.apply_gradients(
-      pallasopt.optim.muon(1e-2), params, grads, pallasopt.optim.muon(1e-2).init(params))[0]
+  replicated = pallasopt.optim.muon(1e-2)
+  want = jax.jit(functools.partial(pallasopt.optim.apply_gradients, replicated))(
+      params, grads, replicated.init(params))[0]
   tx = pallasopt.optim.muon(1e-2, distributed_axes=("data",))
 
   @jax.jit
