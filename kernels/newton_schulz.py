@@ -217,7 +217,8 @@ def newton_schulz_reference(
     stack, preconditioning = ns_math.spectral_prescale(stack, eps), "none"
   symmetric = functools.partial(gram_reference, levels=gram_levels) if gram_levels else None
   out = ns_math.ns_iterations(
-      stack, lambda k, j: coeffs[k, j], coeffs.shape[0], preconditioning, eps, dtype, symmetric
+      stack, lambda k, j: coeffs[k, j], coeffs.shape[0], preconditioning, eps, dtype, symmetric,
+      as_loop=True,
   )
   return restore(out)
 
