@@ -109,8 +109,11 @@ DECODERS: dict[str, Decoder] = {
 #   fused: `pallasopt.optim.apply_gradients` (the same for a plain transform);
 #   clip: ``optax.chain(optax.clip_by_global_norm(1.0), tx)``, update form;
 #   clip-fused: the same clip as ``apply_gradients(..., max_grad_norm=1.0)``;
-#   accumulate: ``optax.MultiSteps(tx, every_k_schedule=4)``, update form.
-FORMS = ("update", "fused", "clip", "clip-fused", "accumulate")
+#   accumulate: ``optax.MultiSteps(tx, every_k_schedule=4)``, update form;
+#   multi-steps: `pallasopt.optim.multi_steps` (the same step), update form;
+#   multi-steps-fused: the same with ``apply_gradients``.
+FORMS = ("update", "fused", "clip", "clip-fused", "accumulate", "multi-steps",
+         "multi-steps-fused")
 
 
 def param_shapes(model: Decoder | Model) -> Any:
@@ -243,6 +246,10 @@ def _in_form(tx: optax.GradientTransformation, form: str) -> optax.GradientTrans
     return optax.chain(optax.clip_by_global_norm(1.0), tx)
   if form == "accumulate":
     return optax.MultiSteps(tx, every_k_schedule=4).gradient_transformation()
+  if form in ("multi-steps", "multi-steps-fused"):
+    from pallasopt import optim
+
+    return optim.multi_steps(tx, every_k_schedule=4)
   if form in ("update", "fused", "clip-fused"):
     return tx
   raise ValueError(f"form must be one of {', '.join(FORMS)}; got {form!r}.")
@@ -266,7 +273,7 @@ def train_step(
 
   def step(params, opt_state, tokens):
     value, grads = jax.value_and_grad(functools.partial(loss, model))(params, tokens)
-    if form in ("fused", "clip-fused"):
+    if form in ("fused", "clip-fused", "multi-steps-fused"):
       clip = 1.0 if form == "clip-fused" else None
       params, opt_state = optim.apply_gradients(tx, params, grads, opt_state, max_grad_norm=clip)
     else:

@@ -9,11 +9,20 @@ and gets both of its modes from it, with the same dtypes and aliasing:
 * ``"apply"``: returns ``(p + u, *moments)``, p and the moments in place;
 * ``"updates"``: returns ``(u, *moments)`` (the Optax contract), the moments
   in place, reading p only where weight decay needs it.
+
+Both take a ``gate`` (a boolean scalar, or None for always): where it is
+false the step holds, returning its operands as they are stored (p in
+``"apply"`` mode, zeros in ``"updates"`` mode) without changing a code. A
+step gated inside the kernel writes the moments once, where selecting
+between the new and the old state after the kernel (as ``optax.MultiSteps``
+does) needs the old state copied before the kernel overwrites it in place
+(`pallasopt.optim.multi_steps`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +43,7 @@ __all__ = [
     "updates_dtype",
     "lr_times_weight_decay",
     "scalars_decay_rate",
+    "held_where_closed",
     "reference_update",
     "kernel_update",
 ]
@@ -230,6 +240,7 @@ def reference_update(
     state_rounding: str = "nearest",
     param_rounding: str = "nearest",
     key: jax.Array | None = None,
+    gate: jax.Array | None = None,
 ) -> tuple[Moment, ...]:
   """Runs an update ``math`` as plain jnp: the XLA path of a family.
 
@@ -253,6 +264,8 @@ def reference_update(
     param_rounding: the same for bf16 params in ``"apply"`` mode.
     key: the leaf's int32 random key (`rounding.leaf_key`), needed when
       anything is rounded stochastically.
+    gate: None, or a boolean scalar: where false, ``(p or zeros, *moments)``
+      as they are stored (module docstring).
   """
   check_update_mode(mode, p, decay)
   _check_blockwise(moments, roles)
@@ -277,7 +290,15 @@ def reference_update(
       store_moment(x, m, bits=bits(1 + i), root=root, key=key, stream=1 + i)
       for i, (x, m) in enumerate(zip(new, moments, strict=True))
   ]
-  return (first, *kept)
+  held = p if mode == "apply" else jnp.zeros_like(first)
+  return held_where_closed(gate, (first, *kept), (held, *moments))
+
+
+def held_where_closed(gate: jax.Array | None, stepped: Any, held: Any) -> Any:
+  """``stepped`` where ``gate`` is true (or None), else ``held``: trees alike, leaf by leaf."""
+  if gate is None:
+    return stepped
+  return jax.tree.map(lambda new, old: jnp.where(gate, new, old), stepped, held)
 
 
 def lr_times_weight_decay(s: tuple) -> jax.Array:
@@ -309,6 +330,7 @@ def kernel_update(
     param_rounding: str = "nearest",
     key: jax.Array | None = None,
     decay_rate: Callable[[tuple], jax.Array] | None = None,
+    gate: jax.Array | None = None,
 ) -> tuple[Moment, ...]:
   """`reference_update` as one fused Pallas kernel (`elementwise_call`).
 
@@ -334,6 +356,10 @@ def kernel_update(
   Stochastic rounding draws its bits from the key and each element's flat
   index (bf16) or stored value (blockwise codes), exactly as the reference
   does.
+
+  ``gate`` is one more kernel scalar: each output selects between its new
+  value and its aliased operand as loaded (zero for the updates), so a
+  closed gate stores the codes, scales and params it read.
   """
   check_update_mode(mode, p, decay)
   _check_blockwise(moments, roles)
@@ -368,9 +394,12 @@ def kernel_update(
       aliases[len(operands) - 1] = 0
   num_scalars = len(scalars)
   extra_scalars = rounding.split_key(key) if streams or coded else ()
+  gate_scalars = () if gate is None else (jnp.asarray(gate, jnp.float32),)
 
   def body(values, g, *rest, index=None):
-    key_in = rounding.join_key(*values[num_scalars:]) if streams or coded else None
+    key_in = (rounding.join_key(*values[num_scalars:num_scalars + len(extra_scalars)])
+              if streams or coded else None)
+    loaded = rest
 
     def rounded(x, stream):
       if stream not in streams:
@@ -393,14 +422,19 @@ def kernel_update(
         outputs.extend(codecs.encode_rows(y, codec_names[i], rounding.code_bits(key_in, y, 1 + i)))
       else:
         outputs.append(rounded(x, 1 + i))
-    return outputs
+    if gate is None:
+      return outputs
+    # Output k > 0 is operand k (after g), a moment's part; p is the last operand.
+    held = [loaded[-1] if mode == "apply" else jnp.zeros_like(outputs[0]),
+            *loaded[:len(outputs) - 1]]
+    return [jnp.where(values[-1] != 0, new, old) for new, old in zip(outputs, held, strict=True)]
 
   flops = (
       flops_per_element + _QUANTIZED_FLOPS * sum(quantized)
       + _ROUNDING_FLOPS * (len(streams) + len(coded))
   )
   outs = iter(elementwise_call(
-      body, operands, (*scalars, *extra_scalars), out_dtypes,
+      body, operands, (*scalars, *extra_scalars, *gate_scalars), out_dtypes,
       backend=backend, interpret=interpret, name=f"{name}_{mode}", aliases=aliases,
       flops_per_element=flops, transcendentals_per_element=transcendentals_per_element,
       blockwise=any(quantized), block_inputs=block_inputs, block_outputs=block_outputs,
@@ -409,7 +443,7 @@ def kernel_update(
   first = next(outs)
   if decay_outside:
     rate = decay_rate(type(scalars)(*(jnp.asarray(x, jnp.float32) for x in scalars)))
-    first = first + rate * p.astype(jnp.float32)
+    first = held_where_closed(gate, first + rate * p.astype(jnp.float32), first)
   kept = [
       type(m)(next(outs), next(outs)) if q else next(outs)
       for m, q in zip(moments, quantized, strict=True)

@@ -134,7 +134,7 @@ def _adamw_math(s: AdamWScalars, p, g, m, v, *, nesterov: bool, decay: bool):
 
 
 def adamw_reference(
-    p, g, m, v, scalars: AdamWScalars, key=None, *, mode: str, nesterov: bool, decay: bool,
+    p, g, m, v, scalars: AdamWScalars, key=None, gate=None, *, mode: str, nesterov: bool, decay: bool,
     state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """Pure-jnp AdamW; the XLA path and the kernels' specification.
@@ -154,16 +154,18 @@ def adamw_reference(
       moments (see `_update.reference_update`).
     param_rounding: the same for bf16 params in ``"apply"`` mode.
     key: the leaf's random key, when something rounds stochastically.
+    gate: None, or a boolean scalar: where false the step holds
+      (`_update.reference_update`).
   """
   math = functools.partial(_adamw_math, nesterov=nesterov)
   return reference_update(
       math, p, g, (m, v), scalars, mode=mode, decay=decay, roles=_ROLES,
-      state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+      state_rounding=state_rounding, param_rounding=param_rounding, key=key, gate=gate,
   )
 
 
 def adamw_kernel(
-    p, g, m, v, scalars: AdamWScalars, key=None, *, mode: str, nesterov: bool, decay: bool,
+    p, g, m, v, scalars: AdamWScalars, key=None, gate=None, *, mode: str, nesterov: bool, decay: bool,
     backend: str, interpret: bool = False, state_rounding: str = "nearest",
     param_rounding: str = "nearest",
 ):
@@ -181,12 +183,12 @@ def adamw_kernel(
       mode=mode, decay=decay, backend=backend, interpret=interpret, name="adamw",
       flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1, roles=_ROLES,
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
-      decay_rate=lr_times_weight_decay,
+      decay_rate=lr_times_weight_decay, gate=gate,
   )
 
 
 def adamw_apply(
-    p, g, m, v, scalars: AdamWScalars, key=None, *, nesterov: bool = False,
+    p, g, m, v, scalars: AdamWScalars, key=None, gate=None, *, nesterov: bool = False,
     decay: bool = True, impl: str = "auto", state_rounding: str = "nearest",
     param_rounding: str = "nearest",
 ):
@@ -205,27 +207,31 @@ def adamw_apply(
     param_rounding: how bf16 params are stored.
     key: the leaf's random key (`rounding.leaf_key`) for stochastic rounding
       (bf16 params or moments; blockwise moments' codes always).
+    gate: None, or a boolean scalar: where false, ``(p, m, v)`` as they are.
   """
   fn = update_dispatch(
       adamw_reference, adamw_kernel, impl, (m, v),
       roundings=(state_rounding, param_rounding),
   )
   return fn(
-      p, g, m, v, scalars, key, mode="apply", nesterov=nesterov, decay=decay,
+      p, g, m, v, scalars, key, gate, mode="apply", nesterov=nesterov, decay=decay,
       state_rounding=state_rounding, param_rounding=param_rounding,
   )
 
 
 def adamw_updates(
-    p, g, m, v, scalars: AdamWScalars, key=None, *, nesterov: bool = False,
+    p, g, m, v, scalars: AdamWScalars, key=None, gate=None, *, nesterov: bool = False,
     decay: bool = True, impl: str = "auto", state_rounding: str = "nearest",
 ):
-  """AdamW in Optax form: returns ``(u, m, v)``; ``p`` may be None without decay."""
+  """AdamW in Optax form: returns ``(u, m, v)``; ``p`` may be None without decay.
+
+  ``gate``: None, or a boolean scalar: where false, ``(zeros, m, v)``.
+  """
   fn = update_dispatch(
       adamw_reference, adamw_kernel, impl, (m, v),
       roundings=(state_rounding,),
   )
   return fn(
-      p, g, m, v, scalars, key, mode="updates", nesterov=nesterov, decay=decay,
+      p, g, m, v, scalars, key, gate, mode="updates", nesterov=nesterov, decay=decay,
       state_rounding=state_rounding,
   )

@@ -113,7 +113,7 @@ def _lion_math(s: LionScalars, p, g, m, *, decay: bool, sign=_sign):
 
 
 def lion_reference(
-    p, g, m, scalars: LionScalars, key=None, *, mode: str, decay: bool,
+    p, g, m, scalars: LionScalars, key=None, gate=None, *, mode: str, decay: bool,
     state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """Pure-jnp Lion; the XLA path and the kernels' specification.
@@ -131,17 +131,19 @@ def lion_reference(
       momentum (see `_update.reference_update`).
     param_rounding: the same for bf16 params in ``"apply"`` mode.
     key: the leaf's random key, when something rounds stochastically.
+    gate: None, or a boolean scalar: where false the step holds
+      (`_update.reference_update`).
   """
   # jnp.sign is one op where _sign is five: it matters when tracing many leaves.
   math = functools.partial(_lion_math, sign=jnp.sign)
   return reference_update(
       math, p, g, (m,), scalars, mode=mode, decay=decay, roles=(quant.SIGNED,),
-      state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+      state_rounding=state_rounding, param_rounding=param_rounding, key=key, gate=gate,
   )
 
 
 def lion_kernel(
-    p, g, m, scalars: LionScalars, key=None, *, mode: str, decay: bool, backend: str,
+    p, g, m, scalars: LionScalars, key=None, gate=None, *, mode: str, decay: bool, backend: str,
     interpret: bool = False, state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """Pallas Lion, same signature and results as `lion_reference`.
@@ -158,12 +160,12 @@ def lion_kernel(
       interpret=interpret, name="lion", flops_per_element=FLOPS_PER_ELEMENT,
       roles=(quant.SIGNED,),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
-      decay_rate=lr_times_weight_decay,
+      decay_rate=lr_times_weight_decay, gate=gate,
   )
 
 
 def lion_apply(
-    p, g, m, scalars: LionScalars, key=None, *, decay: bool = True, impl: str = "auto",
+    p, g, m, scalars: LionScalars, key=None, gate=None, *, decay: bool = True, impl: str = "auto",
     state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """One fused Lion step: returns ``(p + u, m)``.
@@ -178,26 +180,30 @@ def lion_apply(
       ``"stochastic"``.
     param_rounding: how bf16 params are stored.
     key: the leaf's random key (`rounding.leaf_key`) for stochastic rounding.
+    gate: None, or a boolean scalar: where false, ``(p, m)`` as they are.
   """
   fn = update_dispatch(
       lion_reference, lion_kernel, impl, (m,),
       roundings=(state_rounding, param_rounding),
   )
   return fn(
-      p, g, m, scalars, key, mode="apply", decay=decay, state_rounding=state_rounding,
+      p, g, m, scalars, key, gate, mode="apply", decay=decay, state_rounding=state_rounding,
       param_rounding=param_rounding,
   )
 
 
 def lion_updates(
-    p, g, m, scalars: LionScalars, key=None, *, decay: bool = True, impl: str = "auto",
+    p, g, m, scalars: LionScalars, key=None, gate=None, *, decay: bool = True, impl: str = "auto",
     state_rounding: str = "nearest",
 ):
-  """Lion in Optax form: returns ``(u, m)``; ``p`` may be None without decay."""
+  """Lion in Optax form: returns ``(u, m)``; ``p`` may be None without decay.
+
+  ``gate``: None, or a boolean scalar: where false, ``(zeros, m)``.
+  """
   fn = update_dispatch(
       lion_reference, lion_kernel, impl, (m,),
       roundings=(state_rounding,),
   )
   return fn(
-      p, g, m, scalars, key, mode="updates", decay=decay, state_rounding=state_rounding,
+      p, g, m, scalars, key, gate, mode="updates", decay=decay, state_rounding=state_rounding,
   )

@@ -121,7 +121,7 @@ def _mars_math(s: MarsScalars, p, g, mu, nu, mog, *, decay: bool):
 
 
 def mars_reference(
-    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, mode: str, decay: bool = False,
+    p, g, mu, nu, mog, scalars: MarsScalars, key=None, gate=None, *, mode: str, decay: bool = False,
     state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """Pure-jnp MARS; the XLA path and the kernels' specification.
@@ -138,15 +138,17 @@ def mars_reference(
       ``(u, mu, nu, g)``.
     decay: add ``decay_rate * p`` to the update.
     state_rounding, param_rounding: see `_update.reference_update`.
+    gate: None, or a boolean scalar: where false the step holds
+      (`_update.reference_update`).
   """
   return reference_update(
       _mars_math, p, g, (mu, nu, mog), scalars, mode=mode, decay=decay, roles=ROLES,
-      state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+      state_rounding=state_rounding, param_rounding=param_rounding, key=key, gate=gate,
   )
 
 
 def mars_kernel(
-    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, mode: str, decay: bool = False,
+    p, g, mu, nu, mog, scalars: MarsScalars, key=None, gate=None, *, mode: str, decay: bool = False,
     backend: str, interpret: bool = False, state_rounding: str = "nearest",
     param_rounding: str = "nearest",
 ):
@@ -161,12 +163,12 @@ def mars_kernel(
       interpret=interpret, name="mars", flops_per_element=FLOPS_PER_ELEMENT,
       transcendentals_per_element=1, roles=ROLES, state_rounding=state_rounding,
       param_rounding=param_rounding, key=key,
-      decay_rate=scalars_decay_rate,
+      decay_rate=scalars_decay_rate, gate=gate,
   )
 
 
 def mars_apply(
-    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, decay: bool = False,
+    p, g, mu, nu, mog, scalars: MarsScalars, key=None, gate=None, *, decay: bool = False,
     impl: str = "auto", state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """One fused MARS step: returns ``(p + u, mu, nu, g)`` (see `mars_reference`)."""
@@ -175,12 +177,12 @@ def mars_apply(
       mars_reference, mars_kernel, impl, moments,
       roundings=(state_rounding, param_rounding),
   )
-  return fn(p, g, mu, nu, mog, scalars, key, mode="apply", decay=decay,
+  return fn(p, g, mu, nu, mog, scalars, key, gate, mode="apply", decay=decay,
             state_rounding=state_rounding, param_rounding=param_rounding)
 
 
 def mars_updates(
-    p, g, mu, nu, mog, scalars: MarsScalars, key=None, *, decay: bool = False,
+    p, g, mu, nu, mog, scalars: MarsScalars, key=None, gate=None, *, decay: bool = False,
     impl: str = "auto", state_rounding: str = "nearest",
 ):
   """MARS in Optax form: returns ``(u, mu, nu, g)``; ``p`` is read only with decay."""
@@ -189,5 +191,5 @@ def mars_updates(
       mars_reference, mars_kernel, impl, moments,
       roundings=(state_rounding,),
   )
-  return fn(p if decay else None, g, mu, nu, mog, scalars, key, mode="updates", decay=decay,
+  return fn(p if decay else None, g, mu, nu, mog, scalars, key, gate, mode="updates", decay=decay,
             state_rounding=state_rounding)

@@ -146,7 +146,7 @@ def _math(centered, eps_in_sqrt, momentum, nesterov):
 
 
 def rmsprop_reference(
-    p, g, moments, scalars: RMSPropScalars, key=None, *, mode: str, centered: bool,
+    p, g, moments, scalars: RMSPropScalars, key=None, gate=None, *, mode: str, centered: bool,
     eps_in_sqrt: bool, nesterov: bool, decay: bool = False, state_rounding: str = "nearest",
     param_rounding: str = "nearest",
 ):
@@ -165,17 +165,19 @@ def rmsprop_reference(
     centered, eps_in_sqrt, nesterov: as `optax.rmsprop`.
     decay: add ``decay_rate * p`` to the update (see the module docstring).
     state_rounding, param_rounding: see `_update.reference_update`.
+    gate: None, or a boolean scalar: where false the step holds
+      (`_update.reference_update`).
   """
   momentum = len(moments) == 1 + centered + 1
   return reference_update(
       _math(centered, eps_in_sqrt, momentum, nesterov), p, g, moments, scalars, mode=mode,
       decay=decay, roles=moment_roles(centered=centered, momentum=momentum),
-      state_rounding=state_rounding, param_rounding=param_rounding, key=key,
+      state_rounding=state_rounding, param_rounding=param_rounding, key=key, gate=gate,
   )
 
 
 def rmsprop_kernel(
-    p, g, moments, scalars: RMSPropScalars, key=None, *, mode: str, centered: bool,
+    p, g, moments, scalars: RMSPropScalars, key=None, gate=None, *, mode: str, centered: bool,
     eps_in_sqrt: bool, nesterov: bool, decay: bool = False, backend: str,
     interpret: bool = False, state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
@@ -192,39 +194,39 @@ def rmsprop_kernel(
       flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1,
       roles=moment_roles(centered=centered, momentum=momentum),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key,
-      decay_rate=scalars_decay_rate,
+      decay_rate=scalars_decay_rate, gate=gate,
   )
 
 
-def _run(p, g, moments, scalars, key, *, mode, impl, rounding, **config):
+def _run(p, g, moments, scalars, key, gate, *, mode, impl, rounding, **config):
   fn = update_dispatch(
       rmsprop_reference, rmsprop_kernel, impl, moments,
       roundings=tuple(rounding.values()),
   )
-  return fn(p, g, tuple(moments), scalars, key, mode=mode, **config, **rounding)
+  return fn(p, g, tuple(moments), scalars, key, gate, mode=mode, **config, **rounding)
 
 
 def rmsprop_apply(
-    p, g, moments, scalars: RMSPropScalars, key=None, *, centered: bool = False,
+    p, g, moments, scalars: RMSPropScalars, key=None, gate=None, *, centered: bool = False,
     eps_in_sqrt: bool = True, nesterov: bool = False, decay: bool = False, impl: str = "auto",
     state_rounding: str = "nearest", param_rounding: str = "nearest",
 ):
   """One fused RMSProp step: returns ``(p + u, *moments)`` (see `rmsprop_reference`)."""
   return _run(
-      p, g, moments, scalars, key, mode="apply", impl=impl, centered=centered,
+      p, g, moments, scalars, key, gate, mode="apply", impl=impl, centered=centered,
       eps_in_sqrt=eps_in_sqrt, nesterov=nesterov, decay=decay,
       rounding=dict(state_rounding=state_rounding, param_rounding=param_rounding),
   )
 
 
 def rmsprop_updates(
-    p, g, moments, scalars: RMSPropScalars, key=None, *, centered: bool = False,
+    p, g, moments, scalars: RMSPropScalars, key=None, gate=None, *, centered: bool = False,
     eps_in_sqrt: bool = True, nesterov: bool = False, decay: bool = False, impl: str = "auto",
     state_rounding: str = "nearest",
 ):
   """RMSProp in Optax form: returns ``(u, *moments)``; ``p`` is read only with decay."""
   return _run(
-      p if decay else None, g, moments, scalars, key, mode="updates", impl=impl,
+      p if decay else None, g, moments, scalars, key, gate, mode="updates", impl=impl,
       centered=centered, eps_in_sqrt=eps_in_sqrt, nesterov=nesterov, decay=decay,
       rounding=dict(state_rounding=state_rounding),
   )

@@ -39,6 +39,7 @@ from pallasopt.optim.adamw import adamw, nadamw
 from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_schedule, scale_by_kron
 from pallasopt.optim.lion import lion
 from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
+from pallasopt.optim.multi_steps import multi_steps
 from pallasopt.optim.rmsprop import rmsprop
 from pallasopt.optim.state_formats import convert_state, legacy_state_structure
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
@@ -55,6 +56,7 @@ __all__ = [
     "FusedUpdate",
     "apply_gradients",
     "fused_update",
+    "multi_steps",
     "convert_state",
     "legacy_state_structure",
     "Int8Blockwise",

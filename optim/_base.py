@@ -18,6 +18,7 @@ __all__ = [
     "fused_transformation",
     "chained_transformation",
     "scaled_grads",
+    "held_counters",
 ]
 
 ApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
@@ -53,6 +54,10 @@ class FusedUpdate:
     layer_indexed: the entry points take ``layer_index_fn``, the global
       index of each stacked layer of a shard (Kron draws a layer's probe from
       it), so a sharded step equals the whole one.
+    gated: the entry points take ``gate``, a boolean scalar: where it is
+      false the step holds (params and state as they are, zero updates),
+      decided inside the kernels, which then write the state they read
+      (`pallasopt.optim.multi_steps`).
   """
 
   update: Callable[..., tuple[optax.Updates, optax.OptState]]
@@ -63,6 +68,7 @@ class FusedUpdate:
   elementwise: bool = False
   collective_axes: tuple[str, ...] = ()
   layer_indexed: bool = False
+  gated: bool = False
 
   def __call__(self, updates, state, params=None, **extra_args):
     return self.update(updates, state, params, **extra_args)
@@ -117,14 +123,14 @@ class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
       cls, init, update, apply_gradients: ApplyFn | None = None,
       scaled_update: ApplyFn | None = None, learning_rate: ScalarOrSchedule | None = None,
       *, stacked_axes: int | None = None, elementwise: bool = False,
-      collective_axes: tuple[str, ...] = (), layer_indexed: bool = False,
+      collective_axes: tuple[str, ...] = (), layer_indexed: bool = False, gated: bool = False,
   ):
     # Copies and tree maps rebuild the tuple from (init, update) alone: the
     # entry points are already on ``update`` then.
     if apply_gradients is not None:
       update = FusedUpdate(
           update, apply_gradients, scaled_update, learning_rate, stacked_axes, elementwise,
-          collective_axes, layer_indexed,
+          collective_axes, layer_indexed, gated,
       )
     return super().__new__(cls, init, update)
 
@@ -163,7 +169,7 @@ def fused_transformation(
     learning_rate: ScalarOrSchedule | None = None, *,
     update: Callable[..., tuple[optax.Updates, optax.OptState]] | None = None,
     stacked_axes: int | None = None, elementwise: bool = False,
-    collective_axes: tuple[str, ...] = (), layer_indexed: bool = False,
+    collective_axes: tuple[str, ...] = (), layer_indexed: bool = False, gated: bool = False,
 ) -> FusedGradientTransformation:
   """A `FusedGradientTransformation` whose paths share one ``step``: every transform's builder.
 
@@ -178,8 +184,8 @@ def fused_transformation(
       ``decay_link`` (see `FusedGradientTransformation`).
     update: the Optax ``update``, where it is not ``step``'s ``"updates"``
       mode (Muon keeps ``optax.partition``'s, Optax's own path).
-    stacked_axes, elementwise, collective_axes, layer_indexed: see
-      `FusedUpdate`.
+    stacked_axes, elementwise, collective_axes, layer_indexed, gated: see
+      `FusedUpdate` (``gated``: ``step`` takes ``gate``).
   """
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -197,7 +203,7 @@ def fused_transformation(
   return FusedGradientTransformation(
       init_fn, update or update_fn, apply_fn, scaled_update_fn, learning_rate=learning_rate,
       stacked_axes=stacked_axes, elementwise=elementwise, collective_axes=collective_axes,
-      layer_indexed=layer_indexed,
+      layer_indexed=layer_indexed, gated=gated,
   )
 
 
@@ -324,6 +330,19 @@ def schedule_count(state: Any):
 def schedule_value(value: ScalarOrSchedule, state: Any):
   """`value` at `state`'s step count if it is a schedule, else `value` itself."""
   return value(schedule_count(state)) if callable(value) else value
+
+
+def held_counters(gate: jax.Array | None, stepped: Any, held: Any) -> Any:
+  """A gated step's state: its 0-d leaves (step counters) from ``held`` where ``gate`` is false.
+
+  The moments are held by the step's kernels (or its per-leaf fallback),
+  which write the codes they read: selecting them again here would keep the
+  old state alive past the kernels, which XLA then copies.
+  """
+  if gate is None:
+    return stepped
+  return jax.tree.map(
+      lambda new, old: jnp.where(gate, new, old) if jnp.ndim(new) == 0 else new, stepped, held)
 
 
 def advance_schedule(state: Any) -> Any:

@@ -50,12 +50,13 @@ import optax
 
 from pallasopt.kernels import quant, rounding
 from pallasopt.kernels._dispatch import resolve_impl
-from pallasopt.kernels._update import check_rounding
+from pallasopt.kernels._update import check_rounding, held_where_closed
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
+    held_counters,
     scaled_grads,
     schedule_value,
 )
@@ -306,6 +307,7 @@ def fused_leaf_steps(
     seed: Any,
     count: jax.Array,
     impl: str,
+    gate: jax.Array | None = None,
 ) -> list[Any]:
   """One elementwise step of every leaf: the trees ``[first, *moments]``.
 
@@ -329,6 +331,9 @@ def fused_leaf_steps(
     decays: per leaf, a hashable value that is false when the leaf does not
       decay; ``scalars`` and ``optax_fallback`` get it (a family whose leaves
       decay by different rates tells them apart by it).
+    gate: None, or a boolean scalar: where false each leaf holds (its params
+      or zero updates, its moments as stored), inside the kernel (its
+      ``gate``) or after Optax's math.
   """
   if mode == "updates" and param_rounding == "stochastic":
     _refuse_unrounded_updates(owner, grads, params)
@@ -353,8 +358,12 @@ def fused_leaf_steps(
           and jnp.result_type(p) == jnp.bfloat16)
       key = None if not rounds else (
           rounding.leaf_key(seed, count, index) if by_index else rounding.step_key(seed, count))
+      if gate is not None:
+        options["gate"] = gate
       return kernel(p, g, *ms, scalars(decay), key, decay=bool(decay), impl=impl, **options)
-    return optax_fallback(p, scaled_grads(g, grad_scale), ms, decay)
+    first, *new = optax_fallback(p, scaled_grads(g, grad_scale), ms, decay)
+    held = p if mode == "apply" else jnp.zeros_like(first)
+    return held_where_closed(gate, (first, *new), (held, *ms))
 
   moment_leaves = [jax.tree.leaves(m, is_leaf=is_quantized) for m in moments]
   paths = [path for path, _ in v.keyed_leaves(grads)]
@@ -447,7 +456,8 @@ def elementwise_transform(
     moments = stored_moment_trees(zeros, params, roles=roles, state_format=state_format)
     return state_cls(jnp.zeros([], jnp.int32), *moments), decay_tx.init(params), lr_tx.init(params)
 
-  def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None,
+           gate=None):
     moment_state, decay_state, lr_state = state
     moments = moment_state[1:]
     v.check_same_tree(
@@ -483,13 +493,14 @@ def elementwise_transform(
     first, *new_moments = fused_leaf_steps(
         owner, grads, ps, moments, decays, mode=mode, kernel=kernel, scalars=step_scalars,
         optax_fallback=optax_fallback, grad_scale=grad_scale, state_format=state_format,
-        param_rounding=param_rounding, seed=seed, count=count, impl=impl,
+        param_rounding=param_rounding, seed=seed, count=count, impl=impl, gate=gate,
     )
     new_state = (
         state_cls(count, *new_moments),
         advance_schedule(decay_state),
         advance_schedule(lr_state),
     )
-    return first, new_state
+    return first, held_counters(gate, new_state, state)
 
-  return fused_transformation(init_fn, step, learning_rate=learning_rate, elementwise=True)
+  return fused_transformation(
+      init_fn, step, learning_rate=learning_rate, elementwise=True, gated=True)

@@ -20,6 +20,7 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
+    held_counters,
     scaled_grads,
     schedule_value,
 )
@@ -191,12 +192,13 @@ def mars(
   def kernel_for(mode):
     run = mars_kernels.mars_apply if mode == "apply" else mars_kernels.mars_updates
 
-    def kernel(p, g, mu, nu, mog, scalars, key, *, decay, impl, **rounding):
-      return run(p, g, mu, nu, mog, scalars, key, decay=decay, impl=impl, **rounding)
+    def kernel(p, g, mu, nu, mog, scalars, key, *, decay, impl, gate=None, **rounding):
+      return run(p, g, mu, nu, mog, scalars, key, gate, decay=decay, impl=impl, **rounding)
 
     return kernel
 
-  def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None,
+           gate=None):
     mars_state, lr_state = state
     v.check_same_tree(_OWNER, "grads", grads, "opt_state[0].mu", moment_arrays(mars_state.mu))
     # MARS has no decay of its own; a folded decay link adds -lr * rate * p.
@@ -242,8 +244,9 @@ def mars(
         _OWNER, grads, ps, moments, decays, mode=mode, kernel=kernel_for(mode),
         scalars=scalars, optax_fallback=optax_fallback, grad_scale=grad_scale,
         state_format=state_format, param_rounding=param_rounding, seed=seed, count=count,
-        impl=impl,
+        impl=impl, gate=gate,
     )
-    return first, (ScaleByMarsState(count, mu, nu, mog), advance_schedule(lr_state))
+    new_state = (ScaleByMarsState(count, mu, nu, mog), advance_schedule(lr_state))
+    return first, held_counters(gate, new_state, state)
 
-  return fused_transformation(init_fn, step, learning_rate=learning_rate)
+  return fused_transformation(init_fn, step, learning_rate=learning_rate, gated=True)

@@ -12,6 +12,7 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
+    held_counters,
     schedule_value,
 )
 from pallasopt.optim._elementwise_tx import (
@@ -145,17 +146,20 @@ def rmsprop(
         moment_trees(state), params, roles=roles, state_format=state_format)
     return with_moments(state, trees, state[0].count if counted else None)
 
-  def apply_kernel(p, g, *rest, decay, impl, **rounding):
+  def apply_kernel(p, g, *rest, decay, impl, gate=None, **rounding):
     *ms, scalars, key = rest
     return rmsprop_kernels.rmsprop_apply(
-        p, g, tuple(ms), scalars, key, decay=decay, impl=impl, **kernel_config, **rounding)
+        p, g, tuple(ms), scalars, key, gate, decay=decay, impl=impl, **kernel_config,
+        **rounding)
 
-  def updates_kernel(p, g, *rest, decay, impl, **rounding):
+  def updates_kernel(p, g, *rest, decay, impl, gate=None, **rounding):
     *ms, scalars, key = rest
     return rmsprop_kernels.rmsprop_updates(
-        p, g, tuple(ms), scalars, key, decay=decay, impl=impl, **kernel_config, **rounding)
+        p, g, tuple(ms), scalars, key, gate, decay=decay, impl=impl, **kernel_config,
+        **rounding)
 
-  def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None,
+           gate=None):
     rms, lr_state, trace_state = state
     moments = moment_trees(state)
     v.check_same_tree(_OWNER, "grads", grads, "opt_state[0].nu", moment_arrays(rms.nu))
@@ -199,9 +203,10 @@ def rmsprop(
     first, *new_moments = fused_leaf_steps(
         _OWNER, grads, ps, moments, decays, mode=mode, kernel=kernel, scalars=scalars,
         optax_fallback=optax_fallback, grad_scale=grad_scale, state_format=state_format,
-        param_rounding=param_rounding, seed=seed, count=count, impl=impl,
+        param_rounding=param_rounding, seed=seed, count=count, impl=impl, gate=gate,
     )
     new_rms, _, new_trace = with_moments(state, new_moments, count)
-    return first, (new_rms, advance_schedule(lr_state), new_trace)
+    return first, held_counters(gate, (new_rms, advance_schedule(lr_state), new_trace), state)
 
-  return fused_transformation(init_fn, step, learning_rate=learning_rate, elementwise=True)
+  return fused_transformation(
+      init_fn, step, learning_rate=learning_rate, elementwise=True, gated=True)
