@@ -3,7 +3,10 @@
 Every transform here is a drop-in for its Optax counterpart: same arguments
 (plus keyword-only ``impl``), same state tree, and it composes with
 ``optax.chain``, ``optax.masked``, ``optax.MultiSteps`` and
-``optax.inject_hyperparams``. `apply_gradients` runs the fused in-place path.
+``optax.inject_hyperparams``. `apply_gradients` runs the fused in-place path;
+`multi_steps` is ``optax.MultiSteps`` (its arguments and state) with its
+per-call select between the stepped and the kept state done inside the
+kernels, so that accumulating gradients around low-bit state copies nothing.
 
 =====================  ======================================
 pallasopt              counterpart
