@@ -16,13 +16,14 @@ false the step holds, returning its operands as they are stored (p in
 step gated inside the kernel writes the moments once, where selecting
 between the new and the old state after the kernel (as ``optax.MultiSteps``
 does) needs the old state copied before the kernel overwrites it in place
-(`pallasopt.optim.multi_steps`).
+(`pallasopt.optim.multi_steps`). A `Gate` also folds a gradient accumulator
+into the same pass, which then returns the accumulator it stores last.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,10 @@ __all__ = [
     "lr_times_weight_decay",
     "scalars_decay_rate",
     "held_where_closed",
+    "Gate",
+    "accumulated",
+    "stored_accumulator",
+    "open_gate",
     "reference_update",
     "kernel_update",
 ]
@@ -227,6 +232,49 @@ def store_moment(
   return x.astype(like.dtype)
 
 
+class Gate(NamedTuple):
+  """A gated step that folds in a gradient accumulator (``optax.MultiSteps``'s).
+
+  The step runs on the accumulator after this call's gradient ``g`` joins
+  it (`accumulated`), cast to ``like``'s dtype (Optax casts it to the
+  gradient's), and holds where ``apply`` is false; the accumulator stored is
+  the old one where ``keep`` (a skipped call), else the new one times ``1 -
+  restart`` (zero after the call that applies, as Optax writes it).
+
+  Attributes:
+    apply: boolean scalar: the step applies.
+    acc: the leaf's accumulator (float32, the gradient's shape).
+    divisor: float32 scalar: the calls in the mean, this one included (the
+      running mean ``acc + (g - acc) / divisor``), or 0 for the sum ``g + acc``.
+    restart: boolean scalar: the accumulator restarts from zero.
+    keep: boolean scalar: the accumulator is kept as it was.
+    like: a 0-d array in the dtype the accumulated gradient is cast to.
+  """
+
+  apply: jax.Array
+  acc: jax.Array
+  divisor: jax.Array
+  restart: jax.Array
+  keep: jax.Array
+  like: jax.Array
+
+
+def accumulated(g: jax.Array, acc: jax.Array, divisor: jax.Array) -> jax.Array:
+  """The accumulator with ``g`` joined (`Gate`): f32 values in, f32 out."""
+  return jnp.where(divisor > 0, acc + (g - acc) / divisor, g + acc)
+
+
+def stored_accumulator(new: jax.Array, old: jax.Array, restart, keep) -> jax.Array:
+  """The accumulator a `Gate`'s step stores: ``old`` where ``keep``, else
+  Optax's ``(1 - restart) * new`` (zero times a non-finite value is NaN, as there)."""
+  return jnp.where(keep, old, (1 - restart) * new)
+
+
+def open_gate(gate: Any) -> Any:
+  """Where a step applies: a `Gate`'s ``apply``, or the boolean ``gate`` itself (None: always)."""
+  return gate.apply if isinstance(gate, Gate) else gate
+
+
 def reference_update(
     math: UpdateMath,
     p: jax.Array | None,
@@ -264,8 +312,9 @@ def reference_update(
     param_rounding: the same for bf16 params in ``"apply"`` mode.
     key: the leaf's int32 random key (`rounding.leaf_key`), needed when
       anything is rounded stochastically.
-    gate: None, or a boolean scalar: where false, ``(p or zeros, *moments)``
-      as they are stored (module docstring).
+    gate: None, a boolean scalar: where false, ``(p or zeros, *moments)``
+      as they are stored (module docstring), or a `Gate`: the same, run on
+      the accumulated gradient, the stored accumulator returned last.
   """
   check_update_mode(mode, p, decay)
   _check_blockwise(moments, roles)
@@ -278,7 +327,12 @@ def reference_update(
   s = type(scalars)(*(jnp.asarray(x, jnp.float32) for x in scalars))
   f32 = lambda x: None if x is None else x.astype(jnp.float32)
   stored = [quant.stored_values(m) if quant.is_blockwise(m) else f32(m) for m in moments]
-  u, *new = math(s, f32(p), f32(g), *_decoded(stored, moments, roles, partner), decay=decay)
+  grad = f32(g)
+  if isinstance(gate, Gate):
+    acc = f32(gate.acc)
+    summed = accumulated(grad, acc, gate.divisor)
+    grad = summed.astype(gate.like.dtype).astype(jnp.float32)
+  u, *new = math(s, f32(p), grad, *_decoded(stored, moments, roles, partner), decay=decay)
   index = rounding.element_index(g.shape) if streams else None
   bits = lambda stream: rounding.random_bits(key, index, stream) if stream in streams else None
   if mode == "apply":
@@ -291,7 +345,11 @@ def reference_update(
       for i, (x, m) in enumerate(zip(new, moments, strict=True))
   ]
   held = p if mode == "apply" else jnp.zeros_like(first)
-  return held_where_closed(gate, (first, *kept), (held, *moments))
+  results = held_where_closed(open_gate(gate), (first, *kept), (held, *moments))
+  if isinstance(gate, Gate):
+    new_acc = stored_accumulator(summed, acc, gate.restart, gate.keep)
+    results = (*results, new_acc.astype(gate.acc.dtype))
+  return results
 
 
 def held_where_closed(gate: jax.Array | None, stepped: Any, held: Any) -> Any:
@@ -359,7 +417,10 @@ def kernel_update(
 
   ``gate`` is one more kernel scalar: each output selects between its new
   value and its aliased operand as loaded (zero for the updates), so a
-  closed gate stores the codes, scales and params it read.
+  closed gate stores the codes, scales and params it read. A `Gate` adds its
+  accumulator as an operand aliased to one more output, and its scalars: the
+  kernel reads the gradient and the accumulator, where XLA would write the
+  accumulated gradient for it to read back.
   """
   check_update_mode(mode, p, decay)
   _check_blockwise(moments, roles)
@@ -392,13 +453,28 @@ def kernel_update(
     operands.append(p)
     if mode == "apply":
       aliases[len(operands) - 1] = 0
+  accumulating = isinstance(gate, Gate)
+  if accumulating:
+    aliases[len(operands)] = len(out_dtypes)
+    operands.append(gate.acc)
+    out_dtypes.append(gate.acc.dtype)
+    gate_scalars = tuple(jnp.asarray(x, jnp.float32)
+                         for x in (gate.apply, gate.divisor, gate.restart, gate.keep))
+  else:
+    gate_scalars = () if gate is None else (jnp.asarray(gate, jnp.float32),)
   num_scalars = len(scalars)
   extra_scalars = rounding.split_key(key) if streams or coded else ()
-  gate_scalars = () if gate is None else (jnp.asarray(gate, jnp.float32),)
 
   def body(values, g, *rest, index=None):
     key_in = (rounding.join_key(*values[num_scalars:num_scalars + len(extra_scalars)])
               if streams or coded else None)
+    if accumulating:
+      *rest, acc = rest
+      apply, divisor, restart, keep = values[-4:]
+      summed = accumulated(g, acc, divisor)
+      g = summed.astype(gate.like.dtype).astype(jnp.float32)
+    elif gate is not None:
+      apply = values[-1]
     loaded = rest
 
     def rounded(x, stream):
@@ -427,7 +503,10 @@ def kernel_update(
     # Output k > 0 is operand k (after g), a moment's part; p is the last operand.
     held = [loaded[-1] if mode == "apply" else jnp.zeros_like(outputs[0]),
             *loaded[:len(outputs) - 1]]
-    return [jnp.where(values[-1] != 0, new, old) for new, old in zip(outputs, held, strict=True)]
+    outputs = [jnp.where(apply != 0, new, old) for new, old in zip(outputs, held, strict=True)]
+    if accumulating:
+      outputs.append(stored_accumulator(summed, acc, restart, keep != 0))
+    return outputs
 
   flops = (
       flops_per_element + _QUANTIZED_FLOPS * sum(quantized)
@@ -443,9 +522,9 @@ def kernel_update(
   first = next(outs)
   if decay_outside:
     rate = decay_rate(type(scalars)(*(jnp.asarray(x, jnp.float32) for x in scalars)))
-    first = held_where_closed(gate, first + rate * p.astype(jnp.float32), first)
+    first = held_where_closed(open_gate(gate), first + rate * p.astype(jnp.float32), first)
   kept = [
       type(m)(next(outs), next(outs)) if q else next(outs)
       for m, q in zip(moments, quantized, strict=True)
   ]
-  return (first, *kept)
+  return (first, *kept, *outs)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pallasopt.kernels._update import Gate, open_gate
 from pallasopt.optim._types import ScalarOrSchedule
 
 __all__ = [
@@ -19,6 +20,8 @@ __all__ = [
     "chained_transformation",
     "scaled_grads",
     "held_counters",
+    "split_accumulator",
+    "gated_results",
 ]
 
 ApplyFn = Callable[..., tuple[optax.Params, optax.OptState]]
@@ -57,7 +60,9 @@ class FusedUpdate:
     gated: the entry points take ``gate``, a boolean scalar: where it is
       false the step holds (params and state as they are, zero updates),
       decided inside the kernels, which then write the state they read
-      (`pallasopt.optim.multi_steps`).
+      (`pallasopt.optim.multi_steps`); or a `kernels._update.Gate`, which
+      also folds a gradient accumulator tree (``acc``) into the kernels'
+      pass: the entry points then return the stored accumulator third.
   """
 
   update: Callable[..., tuple[optax.Updates, optax.OptState]]
@@ -332,17 +337,31 @@ def schedule_value(value: ScalarOrSchedule, state: Any):
   return value(schedule_count(state)) if callable(value) else value
 
 
-def held_counters(gate: jax.Array | None, stepped: Any, held: Any) -> Any:
+def held_counters(gate: Any, stepped: Any, held: Any) -> Any:
   """A gated step's state: its 0-d leaves (step counters) from ``held`` where ``gate`` is false.
 
-  The moments are held by the step's kernels (or its per-leaf fallback),
-  which write the codes they read: selecting them again here would keep the
-  old state alive past the kernels, which XLA then copies.
+  ``gate``: None, a boolean scalar or a `kernels._update.Gate` (its
+  ``apply``). The moments are held by the step's kernels (or its per-leaf
+  fallback), which write the codes they read: selecting them again here
+  would keep the old state alive past the kernels, which XLA then copies.
   """
   if gate is None:
     return stepped
+  apply = open_gate(gate)
   return jax.tree.map(
-      lambda new, old: jnp.where(gate, new, old) if jnp.ndim(new) == 0 else new, stepped, held)
+      lambda new, old: jnp.where(apply, new, old) if jnp.ndim(new) == 0 else new, stepped, held)
+
+
+def split_accumulator(gate: Any, outputs: list[Any]) -> tuple[list[Any], Any]:
+  """``(moment trees, accumulator tree or None)`` from `fused_leaf_steps`' trees after the first."""
+  if isinstance(gate, Gate):
+    return outputs[:-1], outputs[-1]
+  return outputs, None
+
+
+def gated_results(gate: Any, first: Any, state: Any, accumulator: Any) -> tuple[Any, ...]:
+  """A step's results: ``(first, state)``, and the stored accumulator third under a `Gate`."""
+  return (first, state) if not isinstance(gate, Gate) else (first, state, accumulator)
 
 
 def advance_schedule(state: Any) -> Any:

@@ -50,14 +50,18 @@ import optax
 
 from pallasopt.kernels import quant, rounding
 from pallasopt.kernels._dispatch import resolve_impl
-from pallasopt.kernels._update import check_rounding, held_where_closed
+from pallasopt.kernels._update import (
+    Gate, accumulated, check_rounding, held_where_closed, open_gate, stored_accumulator,
+)
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
+    gated_results,
     held_counters,
     scaled_grads,
+    split_accumulator,
     schedule_value,
 )
 from pallasopt.optim._types import MaskOrFn, ScalarOrSchedule
@@ -307,7 +311,7 @@ def fused_leaf_steps(
     seed: Any,
     count: jax.Array,
     impl: str,
-    gate: jax.Array | None = None,
+    gate: jax.Array | Gate | None = None,
 ) -> list[Any]:
   """One elementwise step of every leaf: the trees ``[first, *moments]``.
 
@@ -333,14 +337,21 @@ def fused_leaf_steps(
       decay by different rates tells them apart by it).
     gate: None, or a boolean scalar: where false each leaf holds (its params
       or zero updates, its moments as stored), inside the kernel (its
-      ``gate``) or after Optax's math.
+      ``gate``) or after Optax's math; or a `kernels._update.Gate` whose
+      ``acc`` is the accumulator tree (the grads' structure; ``like`` is
+      each leaf's gradient): the step runs on the accumulated gradients, and
+      the tree of stored accumulators is returned last.
   """
   if mode == "updates" and param_rounding == "stochastic":
     _refuse_unrounded_updates(owner, grads, params)
   state_rounding = "stochastic" if state_format == "bf16" else "nearest"
   rounds = state_format is not None or param_rounding == "stochastic"
 
-  def leaf_step(index, path, p, g, *ms, decay):
+  accumulating = isinstance(gate, Gate)
+
+  def leaf_step(index, path, p, g, *ms, decay, acc=None):
+    leaf_gate = gate._replace(acc=acc, like=jnp.zeros((), jnp.result_type(g))) if (
+        accumulating) else gate
     # Leaves whose params the kernels take hold low-bit state; the others
     # hold Optax's, in the params' dtype.
     low_bit = state_format is not None and all(is_quantized(m) or v.kernel_dtypes(m) for m in ms)
@@ -359,21 +370,29 @@ def fused_leaf_steps(
       key = None if not rounds else (
           rounding.leaf_key(seed, count, index) if by_index else rounding.step_key(seed, count))
       if gate is not None:
-        options["gate"] = gate
+        options["gate"] = leaf_gate
       return kernel(p, g, *ms, scalars(decay), key, decay=bool(decay), impl=impl, **options)
+    if accumulating:  # Optax's MultiSteps' accumulation, in XLA
+      summed = accumulated(g.astype(jnp.float32), acc.astype(jnp.float32), gate.divisor)
+      g = summed.astype(jnp.result_type(g))
     first, *new = optax_fallback(p, scaled_grads(g, grad_scale), ms, decay)
     held = p if mode == "apply" else jnp.zeros_like(first)
-    return held_where_closed(gate, (first, *new), (held, *ms))
+    results = held_where_closed(open_gate(gate), (first, *new), (held, *ms))
+    if accumulating:
+      kept = stored_accumulator(summed, acc.astype(jnp.float32), gate.restart, gate.keep)
+      results = (*results, kept.astype(acc.dtype))
+    return results
 
   moment_leaves = [jax.tree.leaves(m, is_leaf=is_quantized) for m in moments]
   paths = [path for path, _ in v.keyed_leaves(grads)]
   columns = (paths, params, jax.tree.leaves(grads), *moment_leaves, decays)
+  accumulators = jax.tree.leaves(gate.acc) if accumulating else [None] * len(paths)
   results = [
-      leaf_step(i, path, p, g, *ms, decay=d)
-      for i, (path, p, g, *ms, d) in enumerate(zip(*columns, strict=True))
+      leaf_step(i, path, p, g, *ms, decay=d, acc=a)
+      for i, (path, p, g, *ms, d, a) in enumerate(zip(*columns, accumulators, strict=True))
   ]
   treedef = jax.tree.structure(grads)
-  by_output = list(zip(*results, strict=True)) or [()] * (1 + len(moments))
+  by_output = list(zip(*results, strict=True)) or [()] * (1 + len(moments) + accumulating)
   return [treedef.unflatten(column) for column in by_output]
 
 
@@ -495,12 +514,13 @@ def elementwise_transform(
         optax_fallback=optax_fallback, grad_scale=grad_scale, state_format=state_format,
         param_rounding=param_rounding, seed=seed, count=count, impl=impl, gate=gate,
     )
+    new_moments, accumulator = split_accumulator(gate, new_moments)
     new_state = (
         state_cls(count, *new_moments),
         advance_schedule(decay_state),
         advance_schedule(lr_state),
     )
-    return first, held_counters(gate, new_state, state)
+    return gated_results(gate, first, held_counters(gate, new_state, state), accumulator)
 
   return fused_transformation(
       init_fn, step, learning_rate=learning_rate, elementwise=True, gated=True)

@@ -20,7 +20,9 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
+    gated_results,
     held_counters,
+    split_accumulator,
     scaled_grads,
     schedule_value,
 )
@@ -240,13 +242,14 @@ def mars(
       first = optax.apply_updates(p, u) if mode == "apply" else u
       return (first, new.mu[0], new.nu[0], g)
 
-    first, mu, nu, mog = fused_leaf_steps(
+    first, *new_moments = fused_leaf_steps(
         _OWNER, grads, ps, moments, decays, mode=mode, kernel=kernel_for(mode),
         scalars=scalars, optax_fallback=optax_fallback, grad_scale=grad_scale,
         state_format=state_format, param_rounding=param_rounding, seed=seed, count=count,
         impl=impl, gate=gate,
     )
+    (mu, nu, mog), accumulator = split_accumulator(gate, new_moments)
     new_state = (ScaleByMarsState(count, mu, nu, mog), advance_schedule(lr_state))
-    return first, held_counters(gate, new_state, state)
+    return gated_results(gate, first, held_counters(gate, new_state, state), accumulator)
 
   return fused_transformation(init_fn, step, learning_rate=learning_rate, gated=True)

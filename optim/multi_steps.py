@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pallasopt.kernels._update import Gate
 from pallasopt.optim._base import fused_transformation, fused_update, scaled_grads
 
 __all__ = ["multi_steps"]
@@ -45,7 +46,10 @@ def multi_steps(
   Where ``tx`` is a pallasopt transform whose entry points take a ``gate``
   (AdamW, NAdamW, Lion, RMSProp, MARS: `FusedUpdate.gated`), its update runs
   on every call with the gate open only on the last, and each kernel writes
-  either the new state or the codes it read, in place; its fused
+  either the new state or the codes it read, in place; with a float32
+  accumulator each kernel also reads the gradient and the accumulator and
+  writes the accumulator (XLA would write the accumulated gradient for the
+  kernel to read back); its fused
   ``apply_gradients`` (`pallasopt.optim.apply_gradients`) is this
   transform's too, the params written by the kernels. Any other ``tx`` gets
   Optax's ``MultiSteps`` itself.
@@ -75,6 +79,9 @@ def multi_steps(
     return reference.gradient_transformation()
   every_k = every_k_schedule if callable(every_k_schedule) else lambda _: every_k_schedule
   acc_dtype = jnp.dtype(accumulator_dtype)
+  # The kernels compute in float32: a narrower accumulator is Optax's
+  # arithmetic in its own dtype, which XLA runs before the gated step.
+  in_kernels = acc_dtype == jnp.float32
 
   def accumulate(g, acc, n):
     return acc + (g - acc) / (n + 1) if use_grad_mean else g + acc
@@ -91,19 +98,23 @@ def multi_steps(
             f"returned one of dtype {jnp.result_type(skip)} and shape {jnp.shape(skip)}."
         )
     emit = state.mini_step == every_k(state.gradient_step) - 1
-    gate = jnp.logical_and(emit, jnp.logical_not(skip))
-    acc = jax.tree.map(lambda g, a: accumulate(g, a, state.mini_step), grads, state.acc_grads)
-    inner_grads = optax.tree.cast_like(acc, grads)
-    if mode == "apply":
-      first, inner_state = entry.apply_gradients(
-          params, inner_grads, state.inner_opt_state, learning_rate=learning_rate_now,
-          gate=gate, **options)
-    else:
-      first, inner_state = entry.scaled_update(
-          inner_grads, state.inner_opt_state, params, learning_rate=learning_rate_now,
-          gate=gate, **options)
-    # Optax's counters and accumulator, held where the call is skipped.
+    apply = jnp.logical_and(emit, jnp.logical_not(skip))
     kept = lambda new, old: jnp.where(skip, old, new)
+    entry_point = entry.apply_gradients if mode == "apply" else entry.scaled_update
+    call = lambda inner_grads, gate: entry_point(
+        *((params, inner_grads) if mode == "apply" else (inner_grads,)),
+        state.inner_opt_state, *(() if mode == "apply" else (params,)),
+        learning_rate=learning_rate_now, gate=gate, **options)
+    if in_kernels:
+      divisor = (state.mini_step + 1).astype(jnp.float32) if use_grad_mean else jnp.float32(0)
+      first, inner_state, acc_grads = call(
+          grads, Gate(apply, state.acc_grads, divisor, emit, skip, like=None))
+    else:
+      acc = jax.tree.map(lambda g, a: accumulate(g, a, state.mini_step), grads, state.acc_grads)
+      first, inner_state = call(optax.tree.cast_like(acc, grads), apply)
+      acc_grads = jax.tree.map(
+          lambda a, old: kept(((1 - emit) * a).astype(acc_dtype), old), acc, state.acc_grads)
+    # Optax's counters, held where the call is skipped.
     new_state = optax.MultiStepsState(
         mini_step=kept(optax.safe_increment(state.mini_step) % every_k(state.gradient_step),
                        state.mini_step),
@@ -111,8 +122,7 @@ def multi_steps(
             emit * optax.safe_increment(state.gradient_step) + (1 - emit) * state.gradient_step,
             state.gradient_step),
         inner_opt_state=inner_state,
-        acc_grads=jax.tree.map(
-            lambda a, old: kept(((1 - emit) * a).astype(acc_dtype), old), acc, state.acc_grads),
+        acc_grads=acc_grads,
         skip_state=skip_state,
     )
     return first, new_state

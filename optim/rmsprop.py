@@ -12,7 +12,9 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     advance_schedule,
     fused_transformation,
+    gated_results,
     held_counters,
+    split_accumulator,
     schedule_value,
 )
 from pallasopt.optim._elementwise_tx import (
@@ -205,8 +207,10 @@ def rmsprop(
         optax_fallback=optax_fallback, grad_scale=grad_scale, state_format=state_format,
         param_rounding=param_rounding, seed=seed, count=count, impl=impl, gate=gate,
     )
+    new_moments, accumulator = split_accumulator(gate, new_moments)
     new_rms, _, new_trace = with_moments(state, new_moments, count)
-    return first, held_counters(gate, (new_rms, advance_schedule(lr_state), new_trace), state)
+    new_state = (new_rms, advance_schedule(lr_state), new_trace)
+    return gated_results(gate, first, held_counters(gate, new_state, state), accumulator)
 
   return fused_transformation(
       init_fn, step, learning_rate=learning_rate, elementwise=True, gated=True)
