@@ -165,6 +165,17 @@ def test_multi_steps_is_optaxs_multisteps(case, impl, fused):
   assert int(state.gradient_step) == 2 and int(state.mini_step) == 1  # 7 calls, k = 3
 
 
+def test_a_bfloat16_accumulator_accumulates_in_bfloat16_as_optaxs():
+  # The kernels accumulate in float32; a narrower accumulator keeps Optax's
+  # arithmetic in its own dtype, in XLA, before the gated kernels.
+  with use_impl("interpret"):
+    _agree_call_by_call(
+        multi_steps(_tx("adamw-int8"), 3, accumulator_dtype=jnp.bfloat16),
+        optax.MultiSteps(_tx("adamw-int8"), 3, accumulator_dtype=jnp.bfloat16)
+        .gradient_transformation(),
+        fused=False)
+
+
 def test_a_schedule_of_k_a_sum_and_skipped_calls_are_optaxs():
   every_k = lambda step: jnp.where(step < 1, 2, 3)
   options = dict(use_grad_mean=False, should_skip_update_fn=optax.skip_not_finite)
