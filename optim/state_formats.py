@@ -56,9 +56,11 @@ _MOMENTS: dict[type, dict[str, str]] = {
     ScaleByMarsState: {**_ADAM, "mog": quant.SIGNED},
     optax.ScaleByRmsState: {"nu": quant.ROOT},
     optax.ScaleByRStdDevState: {"mu": quant.SIGNED, "nu": quant.ROOT},
-    # Optax does not export the bias-corrected forms' classes; their inits do.
-    type(optax.scale_by_rms(bias_correction=True).init({})): {"nu": quant.ROOT},
-    type(optax.scale_by_stddev(bias_correction=True).init({})): {
+    # Optax does not export the bias-corrected forms' classes; their inits do
+    # (traced abstractly: importing pallasopt must not start JAX's backends,
+    # or `jax.distributed.initialize` and XLA_FLAGS set after it come too late).
+    type(jax.eval_shape(optax.scale_by_rms(bias_correction=True).init, {})): {"nu": quant.ROOT},
+    type(jax.eval_shape(optax.scale_by_stddev(bias_correction=True).init, {})): {
         "mu": quant.SIGNED, "nu": quant.ROOT},
 }
 

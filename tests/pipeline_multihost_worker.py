@@ -12,6 +12,19 @@ and prints ``OK <loss>`` on success.
 import sys
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+# pallasopt is imported before `jax.distributed.initialize`, as a training
+# script's imports are: importing it must not start a JAX backend (then
+# initialize would raise that it came too late).
+from pipeline_model import layer, make_batch, make_layers, mse, placed, reference_step
+from pallasopt.optim.eformer import AdamWConfig, OptimizerFactory, SchedulerConfig
+from pallasopt.pipeline.layout import stages_to_layers
+from pallasopt.pipeline.schedule import CircularSchedule
+from pallasopt.pipeline.sharding import barrier_sync
+from pallasopt.pipeline.train import make_train_step
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, process_id, num_processes = (int(arg) for arg in sys.argv[1:4])
@@ -21,17 +34,6 @@ jax.distributed.initialize(
     process_id=process_id,
     initialization_timeout=60,
 )
-
-import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-
-from pipeline_model import layer, make_batch, make_layers, mse, placed, reference_step  # noqa: E402
-from pallasopt.optim.eformer import AdamWConfig, OptimizerFactory, SchedulerConfig  # noqa: E402
-from pallasopt.pipeline.layout import stages_to_layers  # noqa: E402
-from pallasopt.pipeline.schedule import CircularSchedule  # noqa: E402
-from pallasopt.pipeline.sharding import barrier_sync  # noqa: E402
-from pallasopt.pipeline.train import make_train_step  # noqa: E402
 
 assert jax.process_count() == num_processes and jax.device_count() == 2 * num_processes
 schedule = CircularSchedule(2, 4, 2, streamed_io=True)
