@@ -4,7 +4,10 @@ Eight fake CPU devices (for sharding and shard_map tests) must be requested
 before JAX initialises its backends, so this runs before any test imports jax.
 """
 
+import importlib.metadata
 import os
+import platform
+import pkgutil
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -32,10 +35,48 @@ import cpu_threefry  # noqa: E402
 _CACHE_VARIABLE = "JAX_COMPILATION_CACHE_DIR"
 _OWNED_CACHE = pytest.StashKey[str]()
 
+# XLA:CPU's LLVM optimisation is most of what compiling a test program costs
+# (the tests' arrays are small: codegen time, not run time, is the budget).
+# Level 0 turns it off, and then FMA contraction must go too: XLA lets LLVM
+# fuse a multiply into an add, at level 2 in every fusion, at level 0 only in
+# some (measured: the interpreted Muon momentum kernel multiplied and added
+# apart while its reference fused, so the stochastic codes hashed from the
+# values differed by one in 22% of elements). With AVX as the widest ISA there
+# is no FMA instruction, every f32 op rounds on its own in every program, and
+# a kernel equals its reference bit for bit because it does the same
+# operations, not because both were contracted alike. Measured:
+# test_factory + test_newton_schulz_kernel 56.9 s -> 36.9 s in one process.
+# Only for a run on CPU devices of an x86 host (a GPU plugin's backend, the
+# compile tier's targets and other ISAs keep XLA's defaults).
+_CPU_TEST_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_max_isa=AVX")
+
+
+def _accelerator_plugin_installed() -> bool:
+  try:
+    import jax_plugins
+  except ImportError:
+    namespace = []
+  else:
+    namespace = list(pkgutil.iter_modules(jax_plugins.__path__))
+  return bool(namespace or importlib.metadata.entry_points(group="jax_plugins"))
+
+
+def _compile_for_cpu_tests(config) -> None:
+  markexpr = config.option.markexpr or ""
+  if ("aot" in markexpr or "gpu" in markexpr or _accelerator_plugin_installed()
+      or platform.machine().lower() not in ("x86_64", "amd64")):
+    return
+  for flag in _CPU_TEST_FLAGS:
+    if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+      os.environ["XLA_FLAGS"] += " " + flag
+
 
 def pytest_configure(config):
   if "aot" in (config.option.markexpr or ""):
     return
+  # Before any backend starts (importing jax and pallasopt starts none; the
+  # test modules are collected after this), and inherited by the workers.
+  _compile_for_cpu_tests(config)
   if _CACHE_VARIABLE not in os.environ:
     os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="pallasopt-test-xla-cache-")
     config.stash[_OWNED_CACHE] = os.environ[_CACHE_VARIABLE]

@@ -111,17 +111,28 @@ def test_rmsprop_steps_carry_only_the_roots_error(grads, fmt):
   assert np.all(got <= want / (1 - _ROOT_STEP[fmt])), (got / want).max()
 
 
+# The rounding seeds digits runs with: a final loss is a random variable of
+# the stochastic roundings, and the issue's bound is on the format, not on one
+# draw. int4 sits near it (jax 0.10.2, CPU, 8 seeds: +2.5% to +3.4% of Optax's
+# loss, mean +2.9%; at XLA's default CPU flags 6 seeds +2.6% to +3.3%), so one
+# seed's pass or fail would be the draw's; four seeds' mean is steadier
+# (standard error ~0.18%).
+_DIGITS_SEEDS = range(4)
+
+
 @pytest.mark.parametrize("fmt", [*FORMATS, "bf16"])
 def test_digits_steps_and_loss_track_optax(fmt):
   # 300 AdamW(1e-3) steps on digits (its 64 x 64 first layer holds low-bit
-  # state): no weight moves more than twice Optax's largest step, and the
-  # loss ends within 3% of Optax's. Measured (jax 0.10.2, CPU): Optax 0.1664,
-  # largest step 0.0022; int4 0.1707, 0.0019; before 2026-11-26 int8 moved a
-  # weight 0.51 in a step.
+  # state), once per rounding seed: no weight moves more than twice Optax's
+  # largest step in any run, and the mean final loss is within 3% of Optax's.
+  # Measured (jax 0.10.2, CPU): Optax 0.1664, largest step 0.0022; int4 mean
+  # 0.1713, 0.0019; before 2026-11-26 int8 moved a weight 0.51 in a step.
   ref_loss, ref_step = _reference_digits("adamw")
-  loss, largest = digits_run(pallasopt.optim.adamw(LR, state_format=fmt))
-  assert largest <= 2 * ref_step, (largest, ref_step)
-  assert abs(loss - ref_loss) <= 0.03 * ref_loss, (loss, ref_loss)
+  runs = [digits_run(pallasopt.optim.adamw(LR, state_format=fmt, seed=seed))
+          for seed in _DIGITS_SEEDS]
+  losses, largest = zip(*runs, strict=True)
+  assert max(largest) <= 2 * ref_step, (largest, ref_step)
+  assert abs(np.mean(losses) - ref_loss) <= 0.03 * ref_loss, (losses, ref_loss)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
