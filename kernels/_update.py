@@ -49,6 +49,9 @@ __all__ = [
     "accumulated",
     "stored_accumulator",
     "open_gate",
+    "leaf_gate",
+    "gated_gradient",
+    "gated_accumulator",
     "reference_update",
     "kernel_update",
 ]
@@ -275,6 +278,30 @@ def open_gate(gate: Any) -> Any:
   return gate.apply if isinstance(gate, Gate) else gate
 
 
+def leaf_gate(gate: Any, acc: jax.Array | None, g: jax.Array) -> Any:
+  """One leaf's gate: a `Gate` with that leaf's accumulator ``acc``, cast like
+  its gradient ``g``; any other gate as it is."""
+  if not isinstance(gate, Gate):
+    return gate
+  return gate._replace(acc=acc, like=jnp.zeros((), jnp.result_type(g)))
+
+
+def gated_gradient(g: jax.Array, gate: Any) -> jax.Array:
+  """The gradient a leaf's gated step runs on (XLA path): ``g``, or under a
+  (leaf's) `Gate` the accumulated gradient cast to ``gate.like``'s dtype."""
+  if not isinstance(gate, Gate):
+    return g
+  summed = accumulated(g.astype(jnp.float32), gate.acc.astype(jnp.float32), gate.divisor)
+  return summed.astype(gate.like.dtype)
+
+
+def gated_accumulator(g: jax.Array, gate: Gate) -> jax.Array:
+  """The accumulator a leaf's `Gate`d step stores (XLA path), in its dtype."""
+  acc = gate.acc.astype(jnp.float32)
+  summed = accumulated(g.astype(jnp.float32), acc, gate.divisor)
+  return stored_accumulator(summed, acc, gate.restart, gate.keep).astype(gate.acc.dtype)
+
+
 def reference_update(
     math: UpdateMath,
     p: jax.Array | None,
@@ -327,11 +354,7 @@ def reference_update(
   s = type(scalars)(*(jnp.asarray(x, jnp.float32) for x in scalars))
   f32 = lambda x: None if x is None else x.astype(jnp.float32)
   stored = [quant.stored_values(m) if quant.is_blockwise(m) else f32(m) for m in moments]
-  grad = f32(g)
-  if isinstance(gate, Gate):
-    acc = f32(gate.acc)
-    summed = accumulated(grad, acc, gate.divisor)
-    grad = summed.astype(gate.like.dtype).astype(jnp.float32)
+  grad = f32(gated_gradient(g, gate))
   u, *new = math(s, f32(p), grad, *_decoded(stored, moments, roles, partner), decay=decay)
   index = rounding.element_index(g.shape) if streams else None
   bits = lambda stream: rounding.random_bits(key, index, stream) if stream in streams else None
@@ -347,8 +370,7 @@ def reference_update(
   held = p if mode == "apply" else jnp.zeros_like(first)
   results = held_where_closed(open_gate(gate), (first, *kept), (held, *moments))
   if isinstance(gate, Gate):
-    new_acc = stored_accumulator(summed, acc, gate.restart, gate.keep)
-    results = (*results, new_acc.astype(gate.acc.dtype))
+    results = (*results, gated_accumulator(g, gate))
   return results
 
 

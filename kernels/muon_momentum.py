@@ -89,7 +89,7 @@ def _momentum_math(s: MuonMomentumScalars, p, g, m, *, decay: bool):
   return hat, m
 
 
-def muon_momentum_reference(p, g, m, scalars: MuonMomentumScalars, key=None):
+def muon_momentum_reference(p, g, m, scalars: MuonMomentumScalars, key=None, gate=None):
   """Pure-jnp momentum step; the XLA path and the kernel's specification.
 
   Args:
@@ -100,6 +100,9 @@ def muon_momentum_reference(p, g, m, scalars: MuonMomentumScalars, key=None):
     scalars: `MuonMomentumScalars` of this step.
     key: the step's random key (`rounding.step_key`): the codes round
       stochastically.
+    gate: None, a boolean scalar (where false: zeros and ``m`` as stored), or
+      a `kernels._update.Gate` (the same on the accumulated gradient, the
+      stored accumulator returned third).
 
   Returns:
     ``(m_hat, m)``: ``m_hat`` f32, ``m`` blockwise as given.
@@ -107,12 +110,13 @@ def muon_momentum_reference(p, g, m, scalars: MuonMomentumScalars, key=None):
   del p
   return reference_update(
       _momentum_math, None, g, (m,), scalars, mode="updates", decay=False,
-      roles=(quant.SIGNED,), key=key,
+      roles=(quant.SIGNED,), key=key, gate=gate,
   )
 
 
 def muon_momentum_kernel(
-    p, g, m, scalars: MuonMomentumScalars, key=None, *, backend: str, interpret: bool = False
+    p, g, m, scalars: MuonMomentumScalars, key=None, gate=None, *, backend: str,
+    interpret: bool = False,
 ):
   """Pallas momentum step, same signature and results as `muon_momentum_reference`.
 
@@ -126,11 +130,13 @@ def muon_momentum_kernel(
   return kernel_update(
       _momentum_math, None, g, (m,), scalars, mode="updates", decay=False, backend=backend,
       interpret=interpret, name="muon_momentum", flops_per_element=FLOPS_PER_ELEMENT,
-      roles=(quant.SIGNED,), key=key,
+      roles=(quant.SIGNED,), key=key, gate=gate,
   )
 
 
-def muon_momentum_updates(g, m, scalars: MuonMomentumScalars, key=None, *, impl: str = "auto"):
+def muon_momentum_updates(
+    g, m, scalars: MuonMomentumScalars, key=None, gate=None, *, impl: str = "auto"
+):
   """One momentum step on blockwise state: ``(m_hat, m)``.
 
   Args:
@@ -138,9 +144,11 @@ def muon_momentum_updates(g, m, scalars: MuonMomentumScalars, key=None, *, impl:
     m: its momentum, a `quant.Blockwise` in the signed role.
     scalars: `MuonMomentumScalars` of this step.
     key: the step's random key (`rounding.step_key`).
+    gate: None, a boolean scalar or a `kernels._update.Gate` (see
+      `muon_momentum_reference`).
     impl: ``"auto" | "pallas" | "interpret" | "xla"`` (see `use_impl`).
   """
   fn = update_dispatch(
       muon_momentum_reference, muon_momentum_kernel, impl, (m,), roundings=("nearest",),
   )
-  return fn(None, g, m, scalars, key)
+  return fn(None, g, m, scalars, key, gate)

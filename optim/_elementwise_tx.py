@@ -51,7 +51,8 @@ import optax
 from pallasopt.kernels import quant, rounding
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.kernels._update import (
-    Gate, accumulated, check_rounding, held_where_closed, open_gate, stored_accumulator,
+    Gate, check_rounding, gated_accumulator, gated_gradient, held_where_closed, leaf_gate,
+    open_gate,
 )
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
@@ -350,8 +351,7 @@ def fused_leaf_steps(
   accumulating = isinstance(gate, Gate)
 
   def leaf_step(index, path, p, g, *ms, decay, acc=None):
-    leaf_gate = gate._replace(acc=acc, like=jnp.zeros((), jnp.result_type(g))) if (
-        accumulating) else gate
+    one_gate = leaf_gate(gate, acc, g)
     # Leaves whose params the kernels take hold low-bit state; the others
     # hold Optax's, in the params' dtype.
     low_bit = state_format is not None and all(is_quantized(m) or v.kernel_dtypes(m) for m in ms)
@@ -370,17 +370,15 @@ def fused_leaf_steps(
       key = None if not rounds else (
           rounding.leaf_key(seed, count, index) if by_index else rounding.step_key(seed, count))
       if gate is not None:
-        options["gate"] = leaf_gate
+        options["gate"] = one_gate
       return kernel(p, g, *ms, scalars(decay), key, decay=bool(decay), impl=impl, **options)
-    if accumulating:  # Optax's MultiSteps' accumulation, in XLA
-      summed = accumulated(g.astype(jnp.float32), acc.astype(jnp.float32), gate.divisor)
-      g = summed.astype(jnp.result_type(g))
-    first, *new = optax_fallback(p, scaled_grads(g, grad_scale), ms, decay)
+    # Optax's MultiSteps' accumulation, in XLA.
+    first, *new = optax_fallback(p, scaled_grads(gated_gradient(g, one_gate), grad_scale), ms,
+                                 decay)
     held = p if mode == "apply" else jnp.zeros_like(first)
     results = held_where_closed(open_gate(gate), (first, *new), (held, *ms))
     if accumulating:
-      kept = stored_accumulator(summed, acc.astype(jnp.float32), gate.restart, gate.keep)
-      results = (*results, kept.astype(acc.dtype))
+      results = (*results, gated_accumulator(g, one_gate))
     return results
 
   moment_leaves = [jax.tree.leaves(m, is_leaf=is_quantized) for m in moments]

@@ -44,7 +44,9 @@ def multi_steps(
   swap in a checkpoint.
 
   Where ``tx`` is a pallasopt transform whose entry points take a ``gate``
-  (AdamW, NAdamW, Lion, RMSProp, MARS: `FusedUpdate.gated`), its update runs
+  (AdamW, NAdamW, Lion, RMSProp, MARS, and Muon, whose momentum kernel takes
+  it and whose Newton-Schulz runs on every call, as in Optax's:
+  `FusedUpdate.gated`), its update runs
   on every call with the gate open only on the last, and each kernel writes
   either the new state or the codes it read, in place; with a float32
   accumulator each kernel also reads the gradient and the accumulator and

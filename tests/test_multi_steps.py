@@ -53,6 +53,12 @@ _CASES = {
     "rmsprop-int8": (pallasopt.optim.rmsprop,
                      {"centered": True, "momentum": 0.9, "state_format": "int8"}),
     "mars-int8": (pallasopt.optim.mars, {"state_format": "int8"}),
+    # Muon: "w" takes the momentum kernel, the vectors the AdamW partition;
+    # NAMO's second moment reads the (accumulated) gradient, and AOL's
+    # preconditioning of a zero momentum is not zero.
+    "muon-int8": (pallasopt.optim.muon, {"weight_decay": 0.1, "state_format": "int8"}),
+    "muon-f32": (pallasopt.optim.muon, {"weight_decay": 0.1, "second_moment": "namo",
+                                        "preconditioning": "aol"}),
 }
 
 
@@ -94,8 +100,8 @@ def _assert_same_step(got, want, what):
 # `_update.reference_update` for every family, run on blockwise and counted
 # state.
 @pytest.mark.parametrize("case,impl", [
-    *((case, "interpret") for case in _CASES if case != "adamw-f32"),
-    ("adamw-int8", "xla"), ("rmsprop-int8", "xla"),
+    *((case, "interpret") for case in _CASES if case not in ("adamw-f32", "muon-f32")),
+    ("adamw-int8", "xla"), ("rmsprop-int8", "xla"), ("muon-f32", "xla"),
 ])
 def test_a_closed_gate_holds_the_step_and_an_open_one_is_the_step(case, impl):
   tx = _tx(case)
@@ -153,9 +159,10 @@ def _agree_call_by_call(got_tx, want_tx, *, fused: bool, grads=_grads, calls: in
 # the params, one rounding of p + u where the update form has two) for two.
 @pytest.mark.parametrize("case,impl,fused", [
     *((case, "interpret", False) for case in ("adamw-int8", "adamw-int4", "lion-fp8",
-                                              "rmsprop-int8", "mars-int8")),
-    ("adamw-f32", "xla", False), ("adamw-int8", "xla", False),
+                                              "rmsprop-int8", "mars-int8", "muon-int8")),
+    ("adamw-f32", "xla", False), ("adamw-int8", "xla", False), ("muon-f32", "xla", False),
     ("adamw-int8", "interpret", True), ("rmsprop-int8", "interpret", True),
+    ("muon-int8", "interpret", True),
 ])
 def test_multi_steps_is_optaxs_multisteps(case, impl, fused):
   with use_impl(impl):

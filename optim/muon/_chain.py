@@ -22,9 +22,17 @@ import optax
 from optax.contrib import MuonDimensionNumbers, MuonState
 
 from pallasopt.kernels import muon_momentum, ns_coefficients
-from pallasopt.kernels._update import store_moment
+from pallasopt.kernels._update import (
+    Gate,
+    gated_accumulator,
+    gated_gradient,
+    held_where_closed,
+    leaf_gate,
+    open_gate,
+    store_moment,
+)
 from pallasopt.optim import _validation as v
-from pallasopt.optim._base import advance_schedule
+from pallasopt.optim._base import advance_schedule, held_counters
 from pallasopt.optim._elementwise_tx import (
     is_quantized,
     moment_arrays,
@@ -159,7 +167,8 @@ class MuonChain:
       state += (MuonSecondMomentState(jax.tree.unflatten(jax.tree.structure(params), nu)),)
     return state
 
-  def _momentum_step(self, g, m, count, leaf):
+  def _momentum_step(self, g, m, count, leaf, gate):
+    """``(m_hat, m, accumulator or None)`` of one leaf; ``gate`` as `update`'s, per leaf."""
     opts = self.options
     if is_quantized(m):
       # Blockwise state: one pass decodes, steps and re-encodes it in place
@@ -167,7 +176,10 @@ class MuonChain:
       scalars = muon_momentum.muon_momentum_scalars(
           opts.beta, count, nesterov=opts.nesterov, lerp=opts.momentum == "lerp")
       key = momentum_rounding(opts.state_format, opts.seed, count, leaf, jnp.shape(g))["key"]
-      return muon_momentum.muon_momentum_updates(g, m, scalars, key, impl=opts.impl)
+      hat, m, *acc = muon_momentum.muon_momentum_updates(g, m, scalars, key, gate, impl=opts.impl)
+      return hat, m, *(acc or [None])
+    accumulator = gated_accumulator(g, gate) if isinstance(gate, Gate) else None
+    g = gated_gradient(g, gate)  # Optax's MultiSteps' accumulation, in XLA
     # Optax's formulas, divisions included, at f32 at least; float64 and
     # complex leaves keep their precision (Optax's). The blockwise path above
     # folds the same corrections into two f32 multipliers
@@ -185,7 +197,10 @@ class MuonChain:
     else:
       hat = corrected(m_new, count)
     rounding = momentum_rounding(opts.state_format, opts.seed, count, leaf, jnp.shape(g))
-    return hat.astype(dtype), store_moment(m_new, m, **rounding)
+    hat, m_new = held_where_closed(
+        open_gate(gate), (hat.astype(dtype), store_moment(m_new, m, **rounding)),
+        (jnp.zeros_like(hat, dtype), m))
+    return hat, m_new, accumulator
 
   def _scale_vector(self, layout: Layout, spec: Spec, parts):
     """Per-output-column scale (one value per part), broadcast on (b, r, o)."""
@@ -218,7 +233,15 @@ class MuonChain:
     alpha = jnp.sqrt(jnp.sum(hat * hat, axis=(1, 2))) / (jnp.sqrt(nu) + opts.second_moment_eps)
     return o * alpha[:, None, None], nu
 
-  def update(self, updates, state, params=None, learning_rate_now=None):
+  def update(self, updates, state, params=None, learning_rate_now=None, gate=None):
+    """Optax's update of the Muon leaves; ``gate`` as a gated entry point's.
+
+    ``gate``: None; a boolean scalar: where false the updates are zero and the
+    state holds (the momentum kernels write the codes they read); or a
+    `kernels._update.Gate` whose ``acc`` is the accumulator tree: the step
+    runs on the accumulated gradients and returns the stored accumulators
+    third.
+    """
     opts = self.options
     muon_state, shape_state, decay_state, lr_state = state[:4]
     v.check_same_tree(OWNER, "grads", updates, "opt_state mu", moment_arrays(muon_state.mu))
@@ -226,8 +249,15 @@ class MuonChain:
     grads = jax.tree.leaves(updates)
     count = optax.safe_increment(muon_state.count)
     mus = jax.tree.leaves(muon_state.mu, is_leaf=is_quantized)
-    stepped = [self._momentum_step(g, m, count, i) for i, (g, m) in enumerate(zip(grads, mus))]
-    hats, mus = [h for h, _ in stepped], [m for _, m in stepped]
+    accumulating = isinstance(gate, Gate)
+    accumulators = jax.tree.leaves(gate.acc) if accumulating else [None] * len(grads)
+    leaf_gates = [leaf_gate(gate, a, g) for g, a in zip(grads, accumulators, strict=True)]
+    stepped = [self._momentum_step(g, m, count, i, one_gate)
+               for i, (g, m, one_gate) in enumerate(zip(grads, mus, leaf_gates))]
+    hats, mus, accs = (list(column) for column in zip(*stepped)) if stepped else ([], [], [])
+    if opts.second_moment is not None:
+      # The second moments read the gradient the step runs on.
+      grads = [gated_gradient(g, one_gate) for g, one_gate in zip(grads, leaf_gates)]
     layouts = self.layouts(updates)
     splitters, stacks, owners = [], [], []
     for (path, _), hat, (layout, spec) in zip(v.keyed_leaves(updates), hats, layouts):
@@ -268,6 +298,9 @@ class MuonChain:
     else:
       out_tree = jax.tree.map(lambda u: -learning_rate_now * u, out_tree)
       lr_state = advance_schedule(lr_state)
+    # A closed gate: zero updates (Newton-Schulz of the zero m_hat the momentum
+    # step gave is not zero under every preconditioning).
+    out_tree = held_where_closed(open_gate(gate), out_tree, jax.tree.map(jnp.zeros_like, out_tree))
     new_state = (
         MuonState(count=count, mu=treedef.unflatten(mus), ns_coeffs=muon_state.ns_coeffs),
         shape_state,
@@ -275,5 +308,9 @@ class MuonChain:
         lr_state,
     )
     if opts.second_moment is not None:
+      new_nus = held_where_closed(open_gate(gate), new_nus, nus)
       new_state += (MuonSecondMomentState(treedef.unflatten(new_nus)),)
+    new_state = held_counters(gate, new_state, state)
+    if accumulating:
+      return out_tree, new_state, treedef.unflatten(accs)
     return out_tree, new_state

@@ -15,7 +15,13 @@ import optax
 
 from pallasopt.kernels._dispatch import resolve_impl
 from pallasopt.optim import _validation as v
-from pallasopt.optim._base import FusedGradientTransformation, fused_transformation, scaled_grads
+from pallasopt.kernels._update import Gate
+from pallasopt.optim._base import (
+    FusedGradientTransformation,
+    fused_transformation,
+    gated_results,
+    scaled_grads,
+)
 from pallasopt.optim._elementwise_tx import check_low_bit_options, is_quantized, moment_arrays
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
 from pallasopt.optim.adamw import adamw
@@ -301,10 +307,12 @@ def muon(
   )
   partition = optax.partition({"muon": muon_tx, "adam": adam_tx}, chain.labels)
 
-  def step(grads, state, params, mode, grad_scale, learning_rate):
+  def step(grads, state, params, mode, grad_scale, learning_rate, gate=None):
     """Both partitions: the AdamW part fused, the Muon part by its chain.
 
-    ``mode="apply"`` returns the new params, ``"updates"`` the updates.
+    ``mode="apply"`` returns the new params, ``"updates"`` the updates;
+    ``gate`` (`FusedUpdate.gated`) goes to both partitions, a `Gate`'s
+    accumulators split between them as the leaves are.
     """
     if params is not None:
       v.check_same_tree(OWNER, "grads", grads, "params", params)
@@ -319,29 +327,38 @@ def muon(
           [x if l == group else optax.MaskedNode() for x, l in zip(leaves, labels)]
       )
 
+    def gate_of(group):
+      return gate._replace(acc=mask(gate.acc, group)) if isinstance(gate, Gate) else gate
+
+    def merged(trees):
+      picked = {group: iter(jax.tree.leaves(tree)) for group, tree in trees.items()}
+      return treedef.unflatten([next(picked[l]) for l in labels])
+
     inner = state.inner_states
     options = dict(grad_scale=grad_scale, learning_rate=learning_rate)
+    if gate is not None:
+      options["gate"] = gate_of("adam")
     if mode == "apply":
-      adam_out, adam_state = adam_tx.apply_gradients(
+      adam_out, adam_state, *adam_acc = adam_tx.apply_gradients(
           mask(params, "adam"), mask(grads, "adam"), inner["adam"].inner_state, **options
       )
     else:
-      adam_out, adam_state = adam_tx.scaled_update(
+      adam_out, adam_state, *adam_acc = adam_tx.scaled_update(
           mask(grads, "adam"), inner["adam"].inner_state, mask(params, "adam"), **options
       )
     muon_grads = scaled_grads(mask(grads, "muon"), grad_scale)
     muon_params = mask(params, "muon")
-    muon_out, muon_state = chain.update(
-        muon_grads, inner["muon"].inner_state, muon_params, learning_rate
+    muon_out, muon_state, *muon_acc = chain.update(
+        muon_grads, inner["muon"].inner_state, muon_params, learning_rate, gate_of("muon")
     )
     if mode == "apply":
       muon_out = optax.apply_updates(muon_params, muon_out)
-    picked = {"adam": iter(jax.tree.leaves(adam_out)), "muon": iter(jax.tree.leaves(muon_out))}
-    out = treedef.unflatten([next(picked[l]) for l in labels])
+    out = merged({"adam": adam_out, "muon": muon_out})
     new_state = type(state)(
         {"muon": optax.MaskedState(muon_state), "adam": optax.MaskedState(adam_state)}
     )
-    return out, new_state
+    accumulator = merged({"adam": adam_acc[0], "muon": muon_acc[0]}) if adam_acc else None
+    return gated_results(gate, out, new_state, accumulator)
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is not None:
@@ -352,7 +369,7 @@ def muon(
 
   return fused_transformation(
       partition.init, step, update=update_fn, stacked_axes=stacked_axes,
-      collective_axes=distributed_axes or (),
+      collective_axes=distributed_axes or (), gated=True,
   )
 
 
