@@ -120,20 +120,25 @@ def test_gradient_accumulation_moves_and_holds_what_the_issue_bounds():
 #   needs the gradient written and read back (4 B per parameter from a bf16
 #   matmul), where XLA fuses the f32 update into the matmul: that costs most
 #   of what one moment's codes save.
+# * int8 Lion and RMSProp accumulating (multi_steps(tx, 4), fused): 0.912x the
+#   bytes but 0.852x the peak (at f6a1aef). The f32 accumulator (872 MiB)
+#   sits in both steps' peaks, and the int8 step's rises 336 MiB more than
+#   that over its unaccumulated step (not traced): it saves 591 MiB of
+#   Optax's peak where the fused form saves 927.
 # int4 state moves no more bytes than int8 (issue 40).
-# The 20 compiles take about 20 minutes on two workers of a 2-core host, more
-# than CI's budget has left: they run where this variable is set.
+# The 36 compiles (20 fused, 16 accumulating) take about 35 minutes on two
+# workers of a 2-core host, more than CI's budget has left: they run where
+# this variable is set.
 _FAMILIES_VARIABLE = "PALLASOPT_WHOLE_STEP_FAMILIES"
 _FAMILY_INT8_BYTES = {"lion": 0.97, "rmsprop": 0.97}
+_FAMILY_INT8_PEAK = {("lion", "multi-steps-fused"): 0.86, ("rmsprop", "multi-steps-fused"): 0.86}
 
 
-@pytest.mark.long_compile(minutes=4)
-@pytest.mark.parametrize("family", ["adafactor", "kron", "lion", "mars", "muon", "rmsprop"])
-def test_every_familys_fused_whole_step_moves_and_holds_what_the_issue_bounds(family):
+def _assert_family_bounds(family: str, form: str) -> None:
   aot_targets.require("v5e")
   if not os.environ.get(_FAMILIES_VARIABLE):
-    pytest.skip(f"20 whole-step compiles, about 20 min on two workers: set {_FAMILIES_VARIABLE}=1")
-  rows = {r["case"]: r for r in bench_whole_step.measure("v5e", "llama-1b-2l", family, ["fused"])}
+    pytest.skip(f"about a minute a compile, 4 a family: set {_FAMILIES_VARIABLE}=1")
+  rows = {r["case"]: r for r in bench_whole_step.measure("v5e", "llama-1b-2l", family, [form])}
   baseline, *ours = rows.values()
   assert baseline["baseline"] and not any(r["baseline"] for r in ours)
   for r in ours:
@@ -146,6 +151,20 @@ def test_every_familys_fused_whole_step_moves_and_holds_what_the_issue_bounds(fa
     # Every matrix, the 5632- and 32000-wide rows included, runs a kernel.
     assert int8["kernels"] >= _MATRICES and int4["kernels"] >= _MATRICES, (int8, int4)
     assert int8["hbm_vs_baseline"] <= _FAMILY_INT8_BYTES.get(family, 0.93), int8
-    assert int8["peak_vs_baseline"] <= _INT8_PEAK["tpu"], int8
+    assert int8["peak_vs_baseline"] <= _FAMILY_INT8_PEAK.get((family, form), _INT8_PEAK["tpu"]), int8
     assert int4["hbm_per_param"] <= int8["hbm_per_param"], (int4, int8)
     assert int4["peak_mib"] <= int8["peak_mib"], (int4, int8)
+
+
+@pytest.mark.long_compile(minutes=4)
+@pytest.mark.parametrize("family", ["adafactor", "kron", "lion", "mars", "muon", "rmsprop"])
+def test_every_familys_fused_whole_step_moves_and_holds_what_the_issue_bounds(family):
+  _assert_family_bounds(family, "fused")
+
+
+# The families whose kernels take multi_steps' gate, accumulating 4 calls a
+# step in the fused form, against Optax's MultiSteps around the baseline.
+@pytest.mark.long_compile(minutes=4)
+@pytest.mark.parametrize("family", ["lion", "mars", "muon", "rmsprop"])
+def test_every_gated_familys_accumulating_step_holds_the_same_bounds(family):
+  _assert_family_bounds(family, "multi-steps-fused")
