@@ -14,8 +14,8 @@ import numpy as np
 import optax
 
 from pallasopt.kernels._dispatch import resolve_impl
-from pallasopt.optim import _validation as v
 from pallasopt.kernels._update import Gate
+from pallasopt.optim import _validation as v
 from pallasopt.optim._base import (
     FusedGradientTransformation,
     fused_transformation,
