@@ -286,20 +286,24 @@ def leaf_gate(gate: Any, acc: jax.Array | None, g: jax.Array) -> Any:
   return gate._replace(acc=acc, like=jnp.zeros((), jnp.result_type(g)))
 
 
+def _summed(g: jax.Array, gate: Gate) -> jax.Array:
+  """A leaf's accumulator with ``g`` joined, in f32: what both gated helpers read."""
+  return accumulated(g.astype(jnp.float32), gate.acc.astype(jnp.float32), gate.divisor)
+
+
 def gated_gradient(g: jax.Array, gate: Any) -> jax.Array:
   """The gradient a leaf's gated step runs on (XLA path): ``g``, or under a
   (leaf's) `Gate` the accumulated gradient cast to ``gate.like``'s dtype."""
   if not isinstance(gate, Gate):
     return g
-  summed = accumulated(g.astype(jnp.float32), gate.acc.astype(jnp.float32), gate.divisor)
-  return summed.astype(gate.like.dtype)
+  return _summed(g, gate).astype(gate.like.dtype)
 
 
 def gated_accumulator(g: jax.Array, gate: Gate) -> jax.Array:
   """The accumulator a leaf's `Gate`d step stores (XLA path), in its dtype."""
-  acc = gate.acc.astype(jnp.float32)
-  summed = accumulated(g.astype(jnp.float32), acc, gate.divisor)
-  return stored_accumulator(summed, acc, gate.restart, gate.keep).astype(gate.acc.dtype)
+  stored = stored_accumulator(_summed(g, gate), gate.acc.astype(jnp.float32), gate.restart,
+                              gate.keep)
+  return stored.astype(gate.acc.dtype)
 
 
 def reference_update(

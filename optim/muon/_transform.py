@@ -357,7 +357,8 @@ def muon(
     new_state = type(state)(
         {"muon": optax.MaskedState(muon_state), "adam": optax.MaskedState(adam_state)}
     )
-    accumulator = merged({"adam": adam_acc[0], "muon": muon_acc[0]}) if adam_acc else None
+    accumulator = merged({"adam": adam_acc[0], "muon": muon_acc[0]}) if isinstance(
+        gate, Gate) else None
     return gated_results(gate, out, new_state, accumulator)
 
   def update_fn(updates, state, params=None, **extra_args):
