@@ -404,10 +404,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "pallasopt.whole_step.DECODERS (e.g. gpt2-small, llama-1b-2l)")
   parser.add_argument("--dtype", default="f32", choices=list(_DTYPES))
   parser.add_argument("--mode", default="fused",
-                      choices=["fused", "update", "clip", "clip-fused", "accumulate"],
+                      choices=["fused", "update", "clip", "clip-fused", "clipped", "accumulate"],
                       help="pallasopt.optim.apply_gradients, or tx.update + optax.apply_updates; "
                       "with --model also a clip_by_global_norm chain, apply_gradients with "
-                      "max_grad_norm, or optax.MultiSteps (pallasopt.whole_step.FORMS)")
+                      "max_grad_norm, pallasopt.optim.clipped, or optax.MultiSteps "
+                      "(pallasopt.whole_step.FORMS)")
   args = parser.parse_args(argv)
   if (args.shapes is None) == (args.model is None):
     parser.error("give one of --shapes and --model")

@@ -109,10 +109,12 @@ DECODERS: dict[str, Decoder] = {
 #   fused: `pallasopt.optim.apply_gradients` (the same for a plain transform);
 #   clip: ``optax.chain(optax.clip_by_global_norm(1.0), tx)``, update form;
 #   clip-fused: the same clip as ``apply_gradients(..., max_grad_norm=1.0)``;
+#   clipped: `pallasopt.optim.clipped` (the clip chain's step and state, its
+#     factor inside the kernels), update form;
 #   accumulate: ``optax.MultiSteps(tx, every_k_schedule=4)``, update form;
 #   multi-steps: `pallasopt.optim.multi_steps` (the same step), update form;
 #   multi-steps-fused: the same with ``apply_gradients``.
-FORMS = ("update", "fused", "clip", "clip-fused", "accumulate", "multi-steps",
+FORMS = ("update", "fused", "clip", "clip-fused", "clipped", "accumulate", "multi-steps",
          "multi-steps-fused")
 
 
@@ -244,6 +246,10 @@ def loss(model: Decoder | Model, params, tokens: jax.Array) -> jax.Array:
 def _in_form(tx: optax.GradientTransformation, form: str) -> optax.GradientTransformation:
   if form == "clip":
     return optax.chain(optax.clip_by_global_norm(1.0), tx)
+  if form == "clipped":
+    from pallasopt import optim
+
+    return optim.clipped(tx, 1.0)
   if form == "accumulate":
     return optax.MultiSteps(tx, every_k_schedule=4).gradient_transformation()
   if form in ("multi-steps", "multi-steps-fused"):

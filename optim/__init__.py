@@ -6,7 +6,9 @@ Every transform here is a drop-in for its Optax counterpart: same arguments
 ``optax.inject_hyperparams``. `apply_gradients` runs the fused in-place path;
 `multi_steps` is ``optax.MultiSteps`` (its arguments and state) with its
 per-call select between the stepped and the kept state done inside the
-kernels, so that accumulating gradients around low-bit state copies nothing.
+kernels, so that accumulating gradients around low-bit state copies nothing;
+`clipped` is ``optax.chain(optax.clip_by_global_norm(c), tx)`` (its state)
+with the clip factor applied inside ``tx``'s kernels.
 
 =====================  ======================================
 pallasopt              counterpart
@@ -39,6 +41,7 @@ from pallasopt.kernels.quant import (
 from pallasopt.optim._base import FusedGradientTransformation, FusedUpdate, apply_gradients, fused_update
 from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
 from pallasopt.optim.adamw import adamw, nadamw
+from pallasopt.optim.clip import clipped
 from pallasopt.optim.kron import KRON_STATIC_ARGS, kron, precond_update_prob_schedule, scale_by_kron
 from pallasopt.optim.lion import lion
 from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
@@ -60,6 +63,7 @@ __all__ = [
     "apply_gradients",
     "fused_update",
     "multi_steps",
+    "clipped",
     "convert_state",
     "legacy_state_structure",
     "Int8Blockwise",

@@ -18,6 +18,7 @@ __all__ = [
     "apply_gradients",
     "fused_transformation",
     "chained_transformation",
+    "clip_factor",
     "scaled_grads",
     "held_counters",
     "split_accumulator",
@@ -212,6 +213,22 @@ def fused_transformation(
   )
 
 
+def clip_factor(grads: optax.Updates, max_norm: Any, grad_scale: Any = None) -> jax.Array:
+  """The factor that clips ``grad_scale * grads`` to a global norm of ``max_norm``.
+
+  Optax's ``clip_by_global_norm``: 1 where the norm over every leaf
+  (`optax.tree.norm`) is below ``max_norm``, else ``max_norm / norm`` (an
+  infinite ``max_norm`` never clips). Times ``grad_scale`` (a factor >= 0
+  already applied outside, None for 1), so that the result scales ``grads``
+  themselves.
+  """
+  norm = optax.tree.norm(grads)
+  if grad_scale is not None:
+    norm = norm * grad_scale
+  factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+  return factor if grad_scale is None else factor * grad_scale
+
+
 def scaled_grads(grads: optax.Updates, grad_scale: Any) -> optax.Updates:
   """``grad_scale * grads``, each leaf kept in its dtype (a tree or one leaf).
 
@@ -311,8 +328,7 @@ def apply_gradients(
   if max_grad_norm is not None:
     if not max_grad_norm > 0:
       raise ValueError(f"apply_gradients: max_grad_norm must be > 0 or None; got {max_grad_norm!r}.")
-    norm = optax.tree.norm(grads)
-    scale = max_grad_norm / jnp.maximum(norm, max_grad_norm)
+    scale = clip_factor(grads, max_grad_norm)
   entry = fused_update(tx)
   if entry is not None:
     return entry.apply_gradients(params, grads, opt_state, grad_scale=scale)

@@ -44,6 +44,12 @@ _INT8_BYTES = {
     # there; the issue's 1.005x is not met in this form (README, "Whole
     # train step": apply_gradients' max_grad_norm is the way that fuses).
     "clip": {"tpu": 1.05, "cuda": 1.06},
+    # `pallasopt.optim.clipped(tx, 1.0)`, the chain's step and state with the
+    # clip factor in the kernels, update form, against Optax's chain: on a
+    # TPU the issue's goal for the chain (0.95x; 0.885x at 7e86eaa), on the
+    # H100 its bound for every form (0.960x: the update form's round trip of
+    # the update, 8 B per parameter, as in "update").
+    "clipped": {"tpu": 0.95, "cuda": 1.005},
 }
 _INT8_PEAK = {"tpu": 0.80, "cuda": 0.86}
 
@@ -58,10 +64,10 @@ def _tx(case: str) -> optax.GradientTransformation:
 @functools.cache
 def _step(chip: str, case: str, form: str):
   # Optax's own forms: apply_gradients is tx.update + apply for an Optax
-  # transform, and its clip is the chain.
+  # transform, and its clip (`clipped` too) is the chain.
   if case == "optax":
-    form = {"fused": "update", "clip-fused": "clip", "multi-steps-fused": "multi-steps"}.get(
-        form, form)
+    form = {"fused": "update", "clip-fused": "clip", "clipped": "clip",
+            "multi-steps-fused": "multi-steps"}.get(form, form)
   return whole_step.measure(_MODEL, _tx(case), chip, form)
 
 
@@ -69,7 +75,7 @@ def _platform(chip: str) -> str:
   return aot_targets.TARGETS[chip][0]
 
 
-@pytest.mark.long_compile(minutes=6.5)
+@pytest.mark.long_compile(minutes=7.5)
 # One test per chip, so that each chip's compiles (Optax's baselines shared
 # by every form) run once, in one worker.
 @pytest.mark.parametrize("chip", ["v5e", "h100"])
@@ -81,7 +87,7 @@ def test_the_whole_step_moves_and_holds_what_the_issue_bounds(chip):
   assert ours.kernels == 0
   assert ours.hbm_bytes <= 1.005 * theirs.hbm_bytes, (ours.hbm_bytes, theirs.hbm_bytes)
   assert peak <= 1.005 * optax_peak
-  for form in ("fused", "update", "clip", "clip-fused"):
+  for form in ("fused", "update", "clip", "clip-fused", "clipped"):
     (ours, peak), (theirs, optax_peak) = _step(chip, "int8", form), _step(chip, "optax", form)
     # Every matrix, the 5632- and 32000-wide rows included, runs the kernel.
     assert ours.kernels == _MATRICES, form
@@ -121,10 +127,12 @@ def test_gradient_accumulation_moves_and_holds_what_the_issue_bounds():
 #   matmul), where XLA fuses the f32 update into the matmul: that costs most
 #   of what one moment's codes save.
 # * int8 Lion and RMSProp accumulating (multi_steps(tx, 4), fused): 0.912x the
-#   bytes but 0.852x the peak (at f6a1aef). The f32 accumulator (872 MiB)
-#   sits in both steps' peaks, and the int8 step's rises 336 MiB more than
-#   that over its unaccumulated step (not traced): it saves 591 MiB of
-#   Optax's peak where the fused form saves 927.
+#   bytes but 0.852x the peak (at f6a1aef). Both steps hold the 892 MiB f32
+#   accumulator; the int8 step's temporaries rise 317 MiB more because XLA
+#   schedules the head's weight gradient and the loss after the embedding's
+#   scatter-add, keeping the 250 MiB f32 logits alive at the peak (README,
+#   "Whole train step"): it saves 591 MiB of Optax's peak where the fused
+#   form saves 927.
 # int4 state moves no more bytes than int8 (issue 40).
 # The 36 compiles (20 fused, 16 accumulating) take about 35 minutes on two
 # workers of a 2-core host, more than CI's budget has left: they run where

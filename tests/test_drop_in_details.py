@@ -144,6 +144,16 @@ def test_apply_gradients_clips_by_global_norm_as_the_optax_chain_does(name, stat
     assert_trees_close(got[1], want[1][1])
 
 
+def test_apply_gradients_with_an_infinite_max_grad_norm_never_clips():
+  # As Optax's clip_by_global_norm(inf): the factor is 1, not inf / inf.
+  tx = pallasopt.optim.adamw(1e-3)
+  params = _params()
+  grads = step_grads(params, 0)
+  got = pallasopt.optim.apply_gradients(tx, params, grads, tx.init(params), max_grad_norm=np.inf)
+  want = pallasopt.optim.apply_gradients(tx, params, grads, tx.init(params))
+  assert_trees_close(got, want)
+
+
 def test_apply_gradients_names_a_bad_max_grad_norm():
   tx = pallasopt.optim.adamw(1e-3)
   params = _params()
