@@ -1,8 +1,9 @@
 r"""Muon's momentum step on low-bit state: one pass over (g, m) per leaf.
 
 Muon (Jordan et al., 2024; `optax.contrib.muon`) orthogonalizes a momentum
-of the gradient. With gradient :math:`g`, momentum :math:`m` and decay
-:math:`\beta`, a step computes
+of the gradient. With gradient :math:`g` (times ``grad_scale``, a clip factor
+applied as it is loaded), momentum :math:`m` and decay :math:`\beta`, a step
+computes
 
 .. math::
 
@@ -55,13 +56,15 @@ class MuonMomentumScalars(NamedTuple):
   beta: jax.typing.ArrayLike
   # 1 - beta, computed before rounding beta to f32, as Optax's Python floats are.
   one_minus_beta: jax.typing.ArrayLike
-  # m_hat = momentum_scale * m + grad_scale * g.
+  # m_hat = momentum_scale * m + gradient_weight * g.
   momentum_scale: jax.typing.ArrayLike
-  grad_scale: jax.typing.ArrayLike
+  gradient_weight: jax.typing.ArrayLike
+  grad_scale: jax.typing.ArrayLike  # multiplies g on load, e.g. a clip factor
 
 
 def muon_momentum_scalars(
-    beta: float, count: jax.Array, *, nesterov: bool, lerp: bool
+    beta: float, count: jax.Array, *, nesterov: bool, lerp: bool,
+    grad_scale: jax.typing.ArrayLike = 1.0,
 ) -> MuonMomentumScalars:
   """The scalars of the step whose count (Optax's, incremented) is ``count``.
 
@@ -70,6 +73,8 @@ def muon_momentum_scalars(
     count: this step's count, from 1.
     nesterov: Nesterov's look-ahead.
     lerp: the ``momentum="lerp"`` forms, without bias correction.
+    grad_scale: multiplies the gradient as the kernel loads it (a global-norm
+      clip factor), so the scaled gradient is never written.
   """
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   if lerp:
@@ -78,14 +83,16 @@ def muon_momentum_scalars(
     correction = lambda t: 1 - f32(beta) ** f32(t)
     scales = ((f32(beta) / correction(count + 1), f32(1 - beta) / correction(count)) if nesterov
               else (1 / correction(count), 0.0))
-  return MuonMomentumScalars(f32(beta), f32(1 - beta), *(f32(x) for x in scales))
+  return MuonMomentumScalars(
+      f32(beta), f32(1 - beta), *(f32(x) for x in scales), f32(grad_scale))
 
 
 def _momentum_math(s: MuonMomentumScalars, p, g, m, *, decay: bool):
   """``(m_hat, m)`` on f32 values (``p`` and ``decay`` unused: Muon decays after)."""
   del p, decay
+  g = g * s.grad_scale
   m = s.one_minus_beta * g + s.beta * m
-  hat = s.momentum_scale * m + s.grad_scale * g
+  hat = s.momentum_scale * m + s.gradient_weight * g
   return hat, m
 
 

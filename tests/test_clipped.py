@@ -24,6 +24,9 @@ _CASES = {
     "lion-int8": lambda impl: pallasopt.optim.lion(1e-3, state_format="int8", impl=impl),
     # Its scaling runs inside an Optax chain (chained_transformation).
     "adafactor": lambda impl: pallasopt.optim.adafactor(1e-2, impl=impl),
+    # The factor in the momentum kernel (int8) or Muon's XLA step (f32).
+    "muon-int8": lambda impl: pallasopt.optim.muon(1e-2, state_format="int8", impl=impl),
+    "muon-f32": lambda impl: pallasopt.optim.muon(1e-2, impl=impl),
 }
 
 

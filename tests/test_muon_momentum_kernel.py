@@ -57,6 +57,23 @@ def test_kernel_state_equals_reference_over_steps(backend, fmt, shape, grad_dtyp
     m = want[1]
 
 
+@pytest.mark.parametrize("backend", ["tpu", "triton"])
+def test_grad_scale_is_the_step_on_the_scaled_gradient(backend):
+  # A clip factor applied as the kernel loads g is the step on g * scale
+  # computed outside: the same f32 product, so the same codes and m_hat.
+  rng = np.random.default_rng(2)
+  m = quant.quantize(random_array(rng, (8, 1024), jnp.float32), fmt="int8")
+  g = random_array(rng, (8, 1024), jnp.float32)
+  scale, key = jnp.float32(0.37), rounding.step_key(3, jnp.int32(2))
+  scaled = mm.muon_momentum_scalars(0.95, jnp.int32(2), nesterov=True, lerp=False,
+                                    grad_scale=scale)
+  kernel = jax.jit(functools.partial(mm.muon_momentum_kernel, backend=backend, interpret=True))
+  got = kernel(None, g, m, scaled, key)
+  want = jax.jit(mm.muon_momentum_reference)(None, g * scale, m, _scalars(2), key)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("nesterov,lerp", _VARIANTS)
 def test_reference_is_muons_momentum_on_the_decoded_state(nesterov, lerp):
   # Optax's formulas (optax.contrib.muon; the lerp forms without correction)

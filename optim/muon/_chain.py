@@ -32,7 +32,7 @@ from pallasopt.kernels._update import (
     store_moment,
 )
 from pallasopt.optim import _validation as v
-from pallasopt.optim._base import advance_schedule, held_counters
+from pallasopt.optim._base import advance_schedule, held_counters, scaled_grads
 from pallasopt.optim._elementwise_tx import (
     is_quantized,
     moment_arrays,
@@ -167,19 +167,21 @@ class MuonChain:
       state += (MuonSecondMomentState(jax.tree.unflatten(jax.tree.structure(params), nu)),)
     return state
 
-  def _momentum_step(self, g, m, count, leaf, gate):
-    """``(m_hat, m, accumulator or None)`` of one leaf; ``gate`` as `update`'s, per leaf."""
+  def _momentum_step(self, g, m, count, leaf, gate, grad_scale):
+    """``(m_hat, m, accumulator or None)`` of one leaf; ``gate`` and ``grad_scale`` as `update`'s."""
     opts = self.options
     if is_quantized(m):
       # Blockwise state: one pass decodes, steps and re-encodes it in place
       # (XLA's codec would copy the momentum between layouts: `kernels.muon_momentum`).
       scalars = muon_momentum.muon_momentum_scalars(
-          opts.beta, count, nesterov=opts.nesterov, lerp=opts.momentum == "lerp")
+          opts.beta, count, nesterov=opts.nesterov, lerp=opts.momentum == "lerp",
+          grad_scale=1.0 if grad_scale is None else grad_scale)
       key = momentum_rounding(opts.state_format, opts.seed, count, leaf, jnp.shape(g))["key"]
       hat, m, *acc = muon_momentum.muon_momentum_updates(g, m, scalars, key, gate, impl=opts.impl)
       return hat, m, *(acc or [None])
     accumulator = gated_accumulator(g, gate) if isinstance(gate, Gate) else None
-    g = gated_gradient(g, gate)  # Optax's MultiSteps' accumulation, in XLA
+    # Optax's MultiSteps' accumulation, in XLA, then the clip factor.
+    g = scaled_grads(gated_gradient(g, gate), grad_scale)
     # Optax's formulas, divisions included, at f32 at least; float64 and
     # complex leaves keep their precision (Optax's). The blockwise path above
     # folds the same corrections into two f32 multipliers
@@ -233,14 +235,17 @@ class MuonChain:
     alpha = jnp.sqrt(jnp.sum(hat * hat, axis=(1, 2))) / (jnp.sqrt(nu) + opts.second_moment_eps)
     return o * alpha[:, None, None], nu
 
-  def update(self, updates, state, params=None, learning_rate_now=None, gate=None):
+  def update(
+      self, updates, state, params=None, learning_rate_now=None, gate=None, grad_scale=None
+  ):
     """Optax's update of the Muon leaves; ``gate`` as a gated entry point's.
 
     ``gate``: None; a boolean scalar: where false the updates are zero and the
     state holds (the momentum kernels write the codes they read); or a
     `kernels._update.Gate` whose ``acc`` is the accumulator tree: the step
     runs on the accumulated gradients and returns the stored accumulators
-    third.
+    third. ``grad_scale`` (a scalar, None for 1) multiplies the gradients
+    the step runs on, inside the momentum kernels where they run.
     """
     opts = self.options
     muon_state, shape_state, decay_state, lr_state = state[:4]
@@ -252,12 +257,13 @@ class MuonChain:
     accumulating = isinstance(gate, Gate)
     accumulators = jax.tree.leaves(gate.acc) if accumulating else [None] * len(grads)
     leaf_gates = [leaf_gate(gate, a, g) for g, a in zip(grads, accumulators, strict=True)]
-    stepped = [self._momentum_step(g, m, count, i, one_gate)
+    stepped = [self._momentum_step(g, m, count, i, one_gate, grad_scale)
                for i, (g, m, one_gate) in enumerate(zip(grads, mus, leaf_gates))]
     hats, mus, accs = (list(column) for column in zip(*stepped)) if stepped else ([], [], [])
     if opts.second_moment is not None:
       # The second moments read the gradient the step runs on.
-      grads = [gated_gradient(g, one_gate) for g, one_gate in zip(grads, leaf_gates)]
+      grads = [scaled_grads(gated_gradient(g, one_gate), grad_scale)
+               for g, one_gate in zip(grads, leaf_gates)]
     layouts = self.layouts(updates)
     splitters, stacks, owners = [], [], []
     for (path, _), hat, (layout, spec) in zip(v.keyed_leaves(updates), hats, layouts):

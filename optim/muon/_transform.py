@@ -20,7 +20,6 @@ from pallasopt.optim._base import (
     FusedGradientTransformation,
     fused_transformation,
     gated_results,
-    scaled_grads,
 )
 from pallasopt.optim._elementwise_tx import check_low_bit_options, is_quantized, moment_arrays
 from pallasopt.optim._types import MaskOrFn, Numeric, ScalarOrSchedule
@@ -346,10 +345,10 @@ def muon(
       adam_out, adam_state, *adam_acc = adam_tx.scaled_update(
           mask(grads, "adam"), inner["adam"].inner_state, mask(params, "adam"), **options
       )
-    muon_grads = scaled_grads(mask(grads, "muon"), grad_scale)
     muon_params = mask(params, "muon")
     muon_out, muon_state, *muon_acc = chain.update(
-        muon_grads, inner["muon"].inner_state, muon_params, learning_rate, gate_of("muon")
+        mask(grads, "muon"), inner["muon"].inner_state, muon_params, learning_rate,
+        gate_of("muon"), grad_scale,
     )
     if mode == "apply":
       muon_out = optax.apply_updates(muon_params, muon_out)
