@@ -113,9 +113,12 @@ DECODERS: dict[str, Decoder] = {
 #     factor inside the kernels), update form;
 #   accumulate: ``optax.MultiSteps(tx, every_k_schedule=4)``, update form;
 #   multi-steps: `pallasopt.optim.multi_steps` (the same step), update form;
-#   multi-steps-fused: the same with ``apply_gradients``.
+#   multi-steps-fused: the same with ``apply_gradients``;
+#   multi-steps-clipped: ``multi_steps(clipped(tx, 1.0), 4)``, i.e.
+#     ``optax.MultiSteps(optax.chain(clip, tx), 4)``, update form;
+#   multi-steps-clipped-fused: the same with ``apply_gradients``.
 FORMS = ("update", "fused", "clip", "clip-fused", "clipped", "accumulate", "multi-steps",
-         "multi-steps-fused")
+         "multi-steps-fused", "multi-steps-clipped", "multi-steps-clipped-fused")
 
 
 def param_shapes(model: Decoder | Model) -> Any:
@@ -256,6 +259,10 @@ def _in_form(tx: optax.GradientTransformation, form: str) -> optax.GradientTrans
     from pallasopt import optim
 
     return optim.multi_steps(tx, every_k_schedule=4)
+  if form in ("multi-steps-clipped", "multi-steps-clipped-fused"):
+    from pallasopt import optim
+
+    return optim.multi_steps(optim.clipped(tx, 1.0), every_k_schedule=4)
   if form in ("update", "fused", "clip-fused"):
     return tx
   raise ValueError(f"form must be one of {', '.join(FORMS)}; got {form!r}.")
@@ -279,7 +286,7 @@ def train_step(
 
   def step(params, opt_state, tokens):
     value, grads = jax.value_and_grad(functools.partial(loss, model))(params, tokens)
-    if form in ("fused", "clip-fused", "multi-steps-fused"):
+    if form in ("fused", "clip-fused", "multi-steps-fused", "multi-steps-clipped-fused"):
       clip = 1.0 if form == "clip-fused" else None
       params, opt_state = optim.apply_gradients(tx, params, grads, opt_state, max_grad_norm=clip)
     else:

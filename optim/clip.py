@@ -9,10 +9,12 @@ with the clip factor passed to ``tx``'s kernels, which scale each gradient
 as they load it.
 """
 
+import jax
 import optax
 
+from pallasopt.kernels._update import Gate, gated_gradient, leaf_gate
 from pallasopt.optim import _validation as v
-from pallasopt.optim._base import clip_factor, fused_transformation, fused_update
+from pallasopt.optim._base import clip_factor, fused_transformation, fused_update, gated_results
 
 __all__ = ["clipped"]
 
@@ -36,10 +38,13 @@ def clipped(tx: optax.GradientTransformation, max_norm: float) -> optax.Gradient
   the factor where it clips (``g * (c / |g|)`` here, ``g / |g| * c`` in
   Optax).
 
-  ``multi_steps(clipped(tx, c), k)`` gets Optax's ``MultiSteps`` (this
-  transform takes no gate); ``clipped(multi_steps(tx, k), c)``, which clips
-  each call's gradients before they are accumulated, keeps both inside the
-  kernels.
+  Where ``tx`` is gated (`FusedUpdate.gated`) so is this transform:
+  ``multi_steps(clipped(tx, c), k)``, ``optax.MultiSteps(optax.chain(clip,
+  tx), k)``, clips the accumulated mean on the k-th call (its norm is an XLA
+  reduction over the gradients and accumulators; the kernels form the mean
+  and scale it); ``clipped(multi_steps(tx, k), c)``, ``optax.chain(clip,
+  optax.MultiSteps(tx, k))``, clips each call's gradients before they are
+  accumulated. Both keep the select and the accumulation in the kernels.
 
   Args:
     tx: the optimizer that steps on the clipped gradients.
@@ -57,18 +62,24 @@ def clipped(tx: optax.GradientTransformation, max_norm: float) -> optax.Gradient
   if entry is None or entry.scaled_update is None:
     return reference
 
-  def step(grads, state, params, mode, grad_scale, learning_rate_now, **options):
+  def step(grads, state, params, mode, grad_scale, learning_rate_now, gate=None, **options):
     clip_state, inner_state = state
-    scale = clip_factor(grads, max_norm, grad_scale)
+    # The clip sees the gradients the step runs on: under a `Gate` each leaf's
+    # accumulated mean, which the kernels form and then scale.
+    seen = grads if not isinstance(gate, Gate) else jax.tree.map(
+        lambda g, acc: gated_gradient(g, leaf_gate(gate, acc, g)), grads, gate.acc)
+    scale = clip_factor(seen, max_norm, grad_scale)
     options = dict(grad_scale=scale, learning_rate=learning_rate_now, **options)
+    if gate is not None:
+      options["gate"] = gate
     if mode == "apply":
-      first, inner_state = entry.apply_gradients(params, grads, inner_state, **options)
+      first, inner_state, *acc = entry.apply_gradients(params, grads, inner_state, **options)
     else:
-      first, inner_state = entry.scaled_update(grads, inner_state, params, **options)
-    return first, (clip_state, inner_state)
+      first, inner_state, *acc = entry.scaled_update(grads, inner_state, params, **options)
+    return gated_results(gate, first, (clip_state, inner_state), *(acc or [None]))
 
   return fused_transformation(
       reference.init, step, learning_rate=entry.learning_rate,
       stacked_axes=entry.stacked_axes, collective_axes=entry.collective_axes,
-      layer_indexed=entry.layer_indexed,
+      layer_indexed=entry.layer_indexed, gated=entry.gated,
   )

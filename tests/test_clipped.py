@@ -85,24 +85,37 @@ def test_an_outer_clip_composes_with_the_inner_one():
     assert_trees_close(state[1], want_state[2])
 
 
-def test_accumulating_around_the_clip_keeps_the_kernels_gated():
-  # clipped(multi_steps(tx, k)) clips each call's gradients before they are
-  # accumulated, as chain(clip, MultiSteps(tx, k)) does, in the kernels;
-  # multi_steps(clipped(tx), k) is Optax's MultiSteps (clipped takes no gate).
+@pytest.mark.parametrize("order", ["clip each call", "clip the mean"])
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
+def test_accumulating_with_the_clip_keeps_the_kernels_gated(order, form):
+  # clipped(multi_steps(tx, k)) is chain(clip, MultiSteps(tx, k)): each
+  # call's gradients clipped before they are accumulated; multi_steps(
+  # clipped(tx), k) is MultiSteps(chain(clip, tx), k): the k-th call's mean
+  # clipped, clipped(tx) gated as tx is. Both are fused, the kernels holding
+  # the state on the calls that only accumulate.
   make = _CASES["adamw-int8"]
-  ours = pallasopt.optim.clipped(pallasopt.optim.multi_steps(make("interpret"), 2), 1.0)
-  chain = optax.chain(optax.clip_by_global_norm(1.0),
-                      optax.MultiSteps(make("xla"), 2).gradient_transformation())
+  clip = lambda tx: pallasopt.optim.clipped(tx, 1.0)
+  if order == "clip each call":
+    ours = clip(pallasopt.optim.multi_steps(make("interpret"), 2))
+    want_tx = optax.chain(optax.clip_by_global_norm(1.0),
+                          optax.MultiSteps(make("xla"), 2).gradient_transformation())
+  else:
+    ours = pallasopt.optim.multi_steps(clip(make("interpret")), 2)
+    want_tx = optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), make("xla")), 2).gradient_transformation()
   assert isinstance(ours, pallasopt.optim.FusedGradientTransformation)
+  if order == "clip the mean":
+    assert pallasopt.optim.fused_update(clip(make("xla"))).gated
   params = _params()
-  got, want = (params, ours.init(params)), (params, chain.init(params))
-  step, chain_step = _updating_step(ours), optax_step(chain)
-  for i, norm in enumerate([30.0, 0.5, 3.0, 0.2]):
+  got, want = (params, ours.init(params)), (params, want_tx.init(params))
+  step = (jax.jit(functools.partial(pallasopt.optim.apply_gradients, ours))
+          if form == "apply_gradients" else _updating_step(ours))
+  chain_step = optax_step(want_tx)
+  # Means above and below the limit on the applying calls.
+  for i, norm in enumerate([30.0, 0.5, 0.3, 0.2]):
     grads = _grads_of_norm(params, i, norm)
     got, want = step(got[0], grads, got[1]), chain_step(want[0], grads, want[1])
     assert_trees_close(got, want)
-  outer = pallasopt.optim.multi_steps(pallasopt.optim.clipped(make("xla"), 1.0), 2)
-  assert not isinstance(outer, pallasopt.optim.FusedGradientTransformation)
 
 
 def test_a_transform_without_kernels_gets_optax_s_chain():

@@ -83,6 +83,7 @@ def test_a_model_written_elsewhere_steps_as_a_decoder_does():
     # A limit of 1.0 clips these gradients (their norm is ~3 at the start).
     ("llama", "clip", "clip-fused"),
     ("llama", "clip", "clipped"),
+    ("gpt2", "multi-steps-clipped", "multi-steps-clipped-fused"),
 ])
 def test_each_fused_form_computes_its_optax_forms_step(family, optax_form, fused_form):
   model = _TINY[family]
