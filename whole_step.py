@@ -247,21 +247,17 @@ def loss(model: Decoder | Model, params, tokens: jax.Array) -> jax.Array:
 
 
 def _in_form(tx: optax.GradientTransformation, form: str) -> optax.GradientTransformation:
+  from pallasopt import optim
+
   if form == "clip":
     return optax.chain(optax.clip_by_global_norm(1.0), tx)
   if form == "clipped":
-    from pallasopt import optim
-
     return optim.clipped(tx, 1.0)
   if form == "accumulate":
     return optax.MultiSteps(tx, every_k_schedule=4).gradient_transformation()
   if form in ("multi-steps", "multi-steps-fused"):
-    from pallasopt import optim
-
     return optim.multi_steps(tx, every_k_schedule=4)
   if form in ("multi-steps-clipped", "multi-steps-clipped-fused"):
-    from pallasopt import optim
-
     return optim.multi_steps(optim.clipped(tx, 1.0), every_k_schedule=4)
   if form in ("update", "fused", "clip-fused"):
     return tx
