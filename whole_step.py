@@ -19,7 +19,8 @@ written apart from this project, through it):
 Params are f32; matmuls take bf16 operands and accumulate in f32, as mixed
 precision training does. `measure` compiles a step for a target of
 `pallasopt.compile_check` and reads what it moves (`compile_check.traffic`)
-and its peak memory (`peak_bytes`).
+and its peak memory (`peak_bytes`, and the compiler's own figure,
+`compiler_peak_bytes`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from pallasopt.compiled_traffic import Traffic
 
 __all__ = [
     "Decoder",
@@ -45,7 +48,9 @@ __all__ = [
     "next_token_loss",
     "train_step",
     "measure",
+    "Measured",
     "peak_bytes",
+    "compiler_peak_bytes",
 ]
 
 
@@ -300,20 +305,45 @@ def peak_bytes(compiled) -> int:
           + m.temp_size_in_bytes)
 
 
+def compiler_peak_bytes(compiled) -> int | None:
+  """The peak the target's compiler reports for a compiled step, or None where it reports none.
+
+  ``memory_analysis().peak_memory_in_bytes``: XLA's peak over the step's
+  schedule of the buffers live at once (arguments, outputs and temporaries),
+  where `peak_bytes` counts every temporary as live at the peak. On a GPU
+  target the two agree to the byte on a step whose temporaries are all live
+  at once; on a TPU target libtpu's ``temp_size_in_bytes`` can exceed the
+  temporary allocation of the module's own buffer assignment (``xla_dump_to``),
+  so the two differ there (README, "Whole train step").
+  """
+  peak = getattr(compiled.memory_analysis(), "peak_memory_in_bytes", None)
+  return peak or None
+
+
+class Measured(NamedTuple):
+  """What `measure` reads in one compiled train step.
+
+  Attributes:
+    traffic: `compile_check.traffic` of the compiled step.
+    peak: its `peak_bytes`.
+    compiler_peak: its `compiler_peak_bytes` (None where the compiler reports none).
+  """
+
+  traffic: Traffic
+  peak: int
+  compiler_peak: int | None
+
+
 def measure(
     model: Decoder | Model,
     tx: optax.GradientTransformation,
     target: str,
     form: str = "update",
     batch: tuple[int, int] = (4, 512),
-):
+) -> Measured:
   """Compiles one train step for a `pallasopt.compile_check` target from this host.
 
   Params and optimizer state are donated, as a training loop does.
-
-  Returns:
-    ``(traffic, peak)``: `compile_check.traffic` of the compiled step and its
-    `peak_bytes`.
   """
   from pallasopt import compile_check
 
@@ -322,4 +352,5 @@ def measure(
   state = jax.eval_shape(tx.init, params)
   tokens = jax.ShapeDtypeStruct((batch[0], batch[1] + 1), jnp.int32)
   compiled = compile_check.compile_for(step, target, params, state, tokens, donate_argnums=(0, 1))
-  return compile_check.traffic(compiled), peak_bytes(compiled)
+  return Measured(compile_check.traffic(compiled), peak_bytes(compiled),
+                  compiler_peak_bytes(compiled))

@@ -149,9 +149,11 @@ def measure(
   that shape as Hugging Face's Flax code builds it (`HuggingFaceDecoder`);
   ``states``: as `_transforms`.
 
-  Each row holds the HBM bytes per parameter, the peak memory, the kernels,
-  and their ratios against the baseline's step in the same form; the
-  relayouts of 1 MiB or more the step has beyond the baseline's; and the MiB
+  Each row holds the HBM bytes per parameter, the peak memory
+  (`whole_step.peak_bytes` and the compiler's own,
+  `whole_step.compiler_peak_bytes`), the kernels, and their ratios against
+  the baseline's step in the same form; the relayouts of 1 MiB or more the
+  step has beyond the baseline's; and the MiB
   each kind of op moves beyond the baseline's (``mib_by_kind_beyond_baseline``:
   where a step moves more or less, e.g. the update leaving the matmul
   fusions for kernels), printed too with ``breakdown``.
@@ -167,26 +169,32 @@ def measure(
     baseline = None
     for case, tx in _transforms(family, states):
       if baseline is None and form == "fused" and optax_update is not None:
-        traffic, peak = optax_update  # apply_gradients runs update + apply for Optax's transforms
+        measured = optax_update  # apply_gradients runs update + apply for Optax's transforms
       else:
-        traffic, peak = whole_step.measure(decoder, tx, target, form)
+        measured = whole_step.measure(decoder, tx, target, form)
       if baseline is None and form == "update" and FAMILIES[family][1] is not None:
-        optax_update = (traffic, peak)
-      baseline = baseline or (traffic, peak)
+        optax_update = measured
+      baseline = baseline or measured
+      traffic, peak, compiler_peak = measured
       rows.append(dict(
           model=model, family=family, form=form, case=case, params=n,
-          baseline=traffic is baseline[0],
+          baseline=measured is baseline,
           hbm_per_param=traffic.hbm_bytes / n,
-          hbm_vs_baseline=traffic.hbm_bytes / baseline[0].hbm_bytes,
-          peak_mib=peak / 2**20, peak_vs_baseline=peak / baseline[1],
+          hbm_vs_baseline=traffic.hbm_bytes / baseline.traffic.hbm_bytes,
+          peak_mib=peak / 2**20, peak_vs_baseline=peak / baseline.peak,
+          compiler_peak_mib=compiler_peak and compiler_peak / 2**20,
+          compiler_peak_vs_baseline=(compiler_peak and baseline.compiler_peak
+                                     and compiler_peak / baseline.compiler_peak),
           kernels=traffic.kernels,
-          extra_relayout_mib=compiled_traffic.relayout_bytes_beyond(traffic, baseline[0]) / 2**20,
+          extra_relayout_mib=compiled_traffic.relayout_bytes_beyond(
+              traffic, baseline.traffic) / 2**20,
           mib_by_kind_beyond_baseline=_in_mib(
-              compiled_traffic.bytes_by_kind_beyond(traffic, baseline[0])),
+              compiled_traffic.bytes_by_kind_beyond(traffic, baseline.traffic)),
       ))
       print(f"{model} {family} {form:10s} {case:22s} {rows[-1]['hbm_per_param']:7.2f} B/param "
             f"({rows[-1]['hbm_vs_baseline']:.3f}x)  peak {rows[-1]['peak_mib']:6.0f} MiB "
-            f"({rows[-1]['peak_vs_baseline']:.3f}x)  kernels {traffic.kernels:3d}  "
+            f"({rows[-1]['peak_vs_baseline']:.3f}x; the compiler's "
+            f"{rows[-1]['compiler_peak_vs_baseline'] or float('nan'):.3f}x)  kernels {traffic.kernels:3d}  "
             f"extra relayouts {rows[-1]['extra_relayout_mib']:.1f} MiB", flush=True)
       if breakdown and not rows[-1]["baseline"]:
         for kind, mib in rows[-1]["mib_by_kind_beyond_baseline"].items():

@@ -68,7 +68,7 @@ def _step(chip: str, case: str, form: str):
   if case == "optax":
     form = {"fused": "update", "clip-fused": "clip", "clipped": "clip",
             "multi-steps-fused": "multi-steps"}.get(form, form)
-  return whole_step.measure(_MODEL, _tx(case), chip, form)
+  return whole_step.measure(_MODEL, _tx(case), chip, form)[:2]
 
 
 def _platform(chip: str) -> str:
