@@ -310,11 +310,11 @@ def compiler_peak_bytes(compiled) -> int | None:
 
   ``memory_analysis().peak_memory_in_bytes``: XLA's peak over the step's
   schedule of the buffers live at once (arguments, outputs and temporaries),
-  where `peak_bytes` counts every temporary as live at the peak. On a GPU
-  target the two agree to the byte on a step whose temporaries are all live
-  at once; on a TPU target libtpu's ``temp_size_in_bytes`` can exceed the
-  temporary allocation of the module's own buffer assignment (``xla_dump_to``),
-  so the two differ there (README, "Whole train step").
+  where `peak_bytes` counts every temporary as live at the peak. For a GPU
+  target the two agreed to the MiB on the whole steps measured; for a TPU target
+  libtpu's ``temp_size_in_bytes`` can exceed the temporary allocation of the
+  module's own buffer assignment (``xla_dump_to``), and the two differ
+  (README, "Peak memory, two ways").
   """
   peak = getattr(compiled.memory_analysis(), "peak_memory_in_bytes", None)
   return peak or None
