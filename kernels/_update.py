@@ -521,7 +521,9 @@ def kernel_update(
     for i, (x, q) in enumerate(zip(new, quantized, strict=True)):
       if q:
         y = root if i == partner else quant.to_stored(x, roles[i], root)
-        outputs.extend(codecs.encode_rows(y, codec_names[i], rounding.code_bits(key_in, y, 1 + i)))
+        outputs.extend(codecs.encode_rows(
+            y, codec_names[i], rounding.code_bits(key_in, y, 1 + i),
+            saturate_outliers=quant.saturates_outliers(roles[i])))
       else:
         outputs.append(rounded(x, 1 + i))
     if gate is None:

@@ -39,6 +39,24 @@ update :math:`m / w` depend on the stored ratio, whose largest values (the
 largest updates) sit at the top of the map, where it is finest; where the
 stored root is off, the decoded first moment is off by the same factor.
 
+**Faults stay in their element.** One scale per block must not let one
+element spoil the block (a 1e20 gradient squares to inf): a block's scale is
+its largest *finite* magnitude, and in a moment or a root (not a ratio) an
+element over `codecs.OUTLIER_RATIO` times the next largest is left out of
+it too (`codecs.block_scales`). Such elements are stored apart, each
+decoding as Optax's state would for that element's update, or clamped:
+
+* inf, or an outlier: saturated at the top code of its sign (it decodes as
+  the block's scale). A root that overflowed to inf (Optax: that element's
+  updates are 0 from then on) decodes as the block's largest root, and its
+  ratio as 0 (``m / inf``): its next update is that of a zero first moment,
+  and it trains on from there where Optax's stays frozen;
+* NaN: stored as 0 (a root as its map's least value). The step that met the
+  NaN wrote a NaN update, and so a NaN param, as Optax's does: the param
+  carries the NaN from then on, as Optax's state and param both do.
+
+The other elements of the block keep the codes they would have without it.
+
 **4-bit state** (``"int4"``, after Li et al.; torchao's 4-bit optimizers):
 codes are ``int4`` arrays of the moment's shape, which XLA stores two to a
 byte, with the same blocks and scales as 8-bit state: 0.5 + 4/256 bytes
@@ -77,6 +95,7 @@ __all__ = [
     "RatioBlockwise",
     "Blockwise",
     "is_blockwise",
+    "blockwise_class",
     "is_float8",
     "stored_bytes",
     "role_of",
@@ -89,6 +108,7 @@ __all__ = [
     "rows_hold_blocks",
     "from_row_major_scales",
     "check_scales",
+    "saturates_outliers",
     "to_stored",
     "from_stored",
     "quantize",
@@ -261,7 +281,8 @@ def codec_of(q: Blockwise) -> str:
   return codec(role_of(q), format_of(q))
 
 
-def _class(role: str, fmt: str) -> type:
+def blockwise_class(role: str, fmt: str) -> type:
+  """The NamedTuple a moment stored in ``role`` and format ``fmt`` is (`Blockwise`)."""
   if role == ROOT:
     return RootBlockwise
   if role == RATIO:
@@ -350,6 +371,19 @@ def scales_spec(
     return None
   return jax.sharding.PartitionSpec(*entries[:leading], None)
 
+
+
+def saturates_outliers(role: str) -> bool:
+  r"""Whether a role's blocks saturate an outlier (`codecs.block_scales`).
+
+  A moment (`SIGNED`) and a root (`ROOT`) do: one element of 1e19 would
+  otherwise push the rest of its block below the map's least value. A
+  `RATIO` does not: ratios are bounded, :math:`|m| / \sqrt v \le (1 -
+  \beta_1) / \sqrt{(1 - \beta_2)(1 - \beta_1^2 / \beta_2)}` by
+  Cauchy-Schwarz (7.3 at AdamW's defaults), while a block of ratios near
+  zero around one of 0.5 is ordinary, and that one must keep its update.
+  """
+  return role != RATIO
 
 
 def to_stored(x, role: str, root=None):
@@ -450,7 +484,7 @@ def quantize(
   codec(role, fmt)  # checks both
   if role == RATIO and root is None:
     raise ValueError("a first moment stored as a ratio needs root=, its second moment's root.")
-  return _class(role, fmt)(*_encoded(x, root, key, role=role, fmt=fmt, stream=stream))
+  return blockwise_class(role, fmt)(*_encoded(x, root, key, role=role, fmt=fmt, stream=stream))
 
 
 # `quantize` and `stored_values` as one program per shape and format: called
@@ -460,8 +494,8 @@ def _encoded(x, root, key, *, role: str, fmt: str, stream: int):
   name = codec(role, fmt)
   rows = _block_rows(to_stored(x.astype(jnp.float32), role, root))
   bits = None if key is None else code_bits(key, rows, stream)
-  codes, absmax = encode_rows(rows, name, bits)
-  return _from_block_rows(codes.astype(_CODE_DTYPES[name]), x), absmax.reshape(absmax.shape[:-1])
+  codes, scales = encode_rows(rows, name, bits, saturate_outliers=saturates_outliers(role))
+  return _from_block_rows(codes.astype(_CODE_DTYPES[name]), x), scales.reshape(scales.shape[:-1])
 
 
 @functools.partial(jax.jit, static_argnames=("name",))

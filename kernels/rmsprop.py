@@ -109,9 +109,16 @@ def moment_roles(*, centered: bool, momentum: bool) -> tuple[str, ...]:
 
 def _rmsprop_math(
     s: RMSPropScalars, p, g, *moments, centered: bool, eps_in_sqrt: bool, momentum: bool,
-    nesterov: bool, decay: bool,
+    nesterov: bool, floor_spread: bool, decay: bool,
 ):
-  """The update on f32 values: returns ``(u, *moments)``."""
+  """The update on f32 values: returns ``(u, *moments)``.
+
+  ``floor_spread``: the centered spread is taken as at least 0. Blockwise
+  state rounds the mean and the root of ``nu`` apart (and saturates each
+  block's outlier, `quant.saturates_outliers`), so ``nu - mu^2``, which an
+  f32 state keeps at or above 0 up to rounding, can come out negative there,
+  and its root NaN.
+  """
   rest = iter(moments)
   mu = next(rest) if centered else None
   nu = next(rest)
@@ -123,6 +130,8 @@ def _rmsprop_math(
     mu = s.one_minus_decay * g + s.decay * mu
     mu_hat = mu / s.bias_correction
     spread = spread - mu_hat * mu_hat
+    if floor_spread:
+      spread = jnp.maximum(spread, 0.0)
   if eps_in_sqrt:
     scaling = jax.lax.rsqrt(spread + s.eps)
   else:
@@ -138,10 +147,12 @@ def _rmsprop_math(
   return (u, *new)
 
 
-def _math(centered, eps_in_sqrt, momentum, nesterov):
+def _math(centered, eps_in_sqrt, nesterov, moments):
+  """The math of a leaf with these ``moments`` (`_rmsprop_math`)."""
   return functools.partial(
-      _rmsprop_math, centered=centered, eps_in_sqrt=eps_in_sqrt, momentum=momentum,
-      nesterov=nesterov,
+      _rmsprop_math, centered=centered, eps_in_sqrt=eps_in_sqrt,
+      momentum=len(moments) == 1 + centered + 1, nesterov=nesterov,
+      floor_spread=centered and any(quant.is_blockwise(m) for m in moments),
   )
 
 
@@ -170,7 +181,7 @@ def rmsprop_reference(
   """
   momentum = len(moments) == 1 + centered + 1
   return reference_update(
-      _math(centered, eps_in_sqrt, momentum, nesterov), p, g, moments, scalars, mode=mode,
+      _math(centered, eps_in_sqrt, nesterov, moments), p, g, moments, scalars, mode=mode,
       decay=decay, roles=moment_roles(centered=centered, momentum=momentum),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key, gate=gate,
   )
@@ -189,7 +200,7 @@ def rmsprop_kernel(
   """
   momentum = len(moments) == 1 + centered + 1
   return kernel_update(
-      _math(centered, eps_in_sqrt, momentum, nesterov), p, g, moments, scalars, mode=mode,
+      _math(centered, eps_in_sqrt, nesterov, moments), p, g, moments, scalars, mode=mode,
       decay=decay, backend=backend, interpret=interpret, name="rmsprop",
       flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1,
       roles=moment_roles(centered=centered, momentum=momentum),

@@ -128,12 +128,65 @@ def test_scales_saved_in_the_old_layout_convert_or_fail_clearly():
     quant.from_row_major_scales(quant.Int8Blockwise(jnp.zeros((1024,), jnp.uint8), jnp.zeros((5,))))
 
 
-def test_zero_and_nan_blocks():
-  x = jnp.zeros((512,)).at[300].set(jnp.nan)
-  q = quant.quantize(x)
-  assert float(q.scales[0]) == 0.0 and np.isnan(float(q.scales[1]))
-  back = quant.dequantize(q)
-  assert np.all(np.asarray(back[:256]) == 0) and np.all(np.isnan(np.asarray(back[256:])))
+def test_a_zero_block_has_scale_zero_and_decodes_to_zero():
+  q = quant.quantize(jnp.zeros((512,)).at[300].set(1.5))
+  np.testing.assert_array_equal(q.scales, [0.0, 1.5])
+  np.testing.assert_array_equal(quant.dequantize(q)[:256], 0.0)
+
+
+def test_block_scales_leave_out_non_finite_elements_and_saturate_outliers():
+  row = jnp.asarray(np.linspace(0.01, 2.0, 256), jnp.float32)
+  scale = lambda x, **kw: float(codecs.block_scales(x[None], **kw)[0, 0])
+  for fault in (jnp.nan, jnp.inf, -jnp.inf):
+    assert scale(row.at[7].set(fault)) == 2.0
+  # The outlier bound is strict, on the next largest magnitude.
+  assert scale(row.at[7].set(-codecs.OUTLIER_RATIO * 2.0)) == codecs.OUTLIER_RATIO * 2.0
+  assert scale(row.at[7].set(np.nextafter(np.float32(codecs.OUTLIER_RATIO * 2.0), np.inf))) == 2.0
+  assert scale(row.at[7].set(1e30), saturate_outliers=False) == np.float32(1e30)
+  # An element with no nonzero neighbour keeps its own scale.
+  assert scale(jnp.zeros(256).at[7].set(1e30)) == np.float32(1e30)
+  assert scale(jnp.full(256, jnp.nan)) == 0.0
+
+
+_FAULTS = {"nan": jnp.nan, "inf": jnp.inf, "-inf": -jnp.inf, "outlier": 1e30, "-outlier": -1e30}
+
+
+@pytest.mark.parametrize("fmt,role,fault", [
+    (fmt, role, fault) for fmt in quant.FORMATS for role in quant.ROLES for fault in _FAULTS
+    # A second moment is never negative.
+    if not (role == quant.ROOT and fault.startswith("-"))
+])
+def test_a_fault_stays_in_its_element(fmt, role, fault):
+  # One non-finite or outlying element of a block: the scales stay finite,
+  # the other elements of its block keep the codes and values they have
+  # without it (the clean block holds 0 there), and the element itself is
+  # stored apart: NaN as 0, inf and an outlier at the top code of its sign
+  # (a ratio keeps an outlier as its block's scale: ratios saturate nothing).
+  rng = np.random.default_rng(0)
+  signs = 1.0 if role == quant.ROOT else rng.choice([-1.0, 1.0], 512)
+  clean = jnp.asarray(signs * 10.0 ** rng.uniform(-2, 0, 512), jnp.float32).at[300].set(0.0)
+  faulty = clean.at[300].set(_FAULTS[fault])
+  root = jnp.ones(512) if role == quant.RATIO else None
+  stored = lambda x: quant.quantize(x, role=role, fmt=fmt, root=root)
+  q, q_clean = stored(faulty), stored(clean)
+  assert np.all(np.isfinite(q.scales)), q.scales
+  got, want = np.asarray(quant.stored_values(q)), np.asarray(quant.stored_values(q_clean))
+  if role == quant.RATIO and "outlier" in fault:
+    assert float(q.scales[1]) == np.float32(1e30)
+    return
+  others = np.arange(512) != 300
+  np.testing.assert_array_equal(got[others], want[others])
+  top = float(q.scales[1])
+  if fault == "nan":
+    # A root map has no 0: its least value stands for it.
+    assert got[300] == want[300] and (role == quant.ROOT or got[300] == 0.0)
+  else:
+    # What the block's scale itself (with the fault's sign) stores: the signed
+    # dynamic map's largest negative value is -0.993, not -1.
+    stored_top = quant.from_stored(-top if fault.startswith("-") else top, role, 1.0)
+    saturated = clean.at[300].set(stored_top)
+    assert got[300] == np.asarray(quant.stored_values(stored(saturated)))[300]
+    assert abs(got[300]) >= 0.99 * top
 
 
 def test_random_bits_are_reproducible_and_separate_streams():
@@ -271,7 +324,9 @@ def test_root_encode_picks_the_nearest_value_and_floors_at_the_least(name):
       np.resize(np.concatenate([table, (table[1:] + table[:-1]) / 2]), 255 * 4),
   ]).astype(np.float32)
   x = x[: x.size // 255 * 255]
-  codes, absmax = jax.jit(codecs.encode_rows, static_argnums=1)(_rows(x), name)
+  # The map itself, under a scale of 1: no outlier saturates.
+  encoded = jax.jit(lambda rows: codecs.encode_rows(rows, name, saturate_outliers=False))
+  codes, absmax = encoded(_rows(x))
   codes = np.asarray(codes)[:, 1:].ravel()
   first = -8 if name == "root4" else 0
   assert np.all(np.asarray(absmax) == 1) and codes.min() >= first
