@@ -71,6 +71,7 @@ __all__ = [
     "STATE_FORMATS",
     "elementwise_transform",
     "check_state_format",
+    "check_moment_storage",
     "stored_moment",
     "stored_leaf_moments",
     "stored_moment_trees",
@@ -172,6 +173,102 @@ def moment_value(moment: Any, *, root: jax.Array | None = None) -> jax.Array:
   second moment's `quant.RootBlockwise`.
   """
   return quant.dequantize(moment, root=root) if is_quantized(moment) else moment
+
+
+def _storage(m: Any) -> str:
+  """How a stored moment is kept, and by which ``state_format``, for messages."""
+  if is_quantized(m):
+    return f"{quant.format_of(m)} blockwise codes ({type(m).__name__}: state_format=" \
+           f"{quant.format_of(m)!r})"
+  dtype = jnp.result_type(m)
+  made_by = "'bf16'" if dtype == jnp.bfloat16 else "None, Optax's"
+  return f"a {dtype} array (state_format={made_by})"
+
+
+def _expected_storage(param: Any, grad: Any, state_format: str | None, role: str
+                      ) -> tuple[type | None, Any]:
+  """How `stored_moment` keeps a moment of this leaf: ``(blockwise class, format)``,
+  ``(None, dtype)`` for an array of that dtype, or ``(None, None)`` for Optax's
+  state, an array whose dtype follows Optax's promotions (an f16 param's
+  second moment comes out f32). The gradient stands in for a param not given
+  (``param`` None): the formats decide by its shape and whether a kernel
+  takes its dtype."""
+  like = grad if param is None else param
+  if state_format is None or not v.kernel_dtypes(like):
+    return None, None
+  if state_format == "bf16":
+    return None, jnp.dtype(jnp.bfloat16)
+  if math.prod(jnp.shape(like)) < quant.MIN_QUANTIZED_SIZE:
+    return None, jnp.dtype(jnp.float32)
+  return quant.blockwise_class(role, state_format), state_format
+
+
+def _is_bf16_format(m: Any, param: Any, free_dtype: bool) -> bool:
+  """Whether an array moment is one only ``state_format="bf16"`` stores: bfloat16
+  for a float32 param, and not the moment ``mu_dtype`` sets (``free_dtype``)."""
+  return (not free_dtype and param is not None and jnp.result_type(m) == jnp.bfloat16
+          and jnp.result_type(param) == jnp.float32)
+
+
+def check_moment_storage(
+    owner: str, moments: Mapping[str, Any], roles: Sequence[str], params: Sequence[Any],
+    grads: Any, *, state_format: str | None, mu_dtype_fields: Sequence[str] = (),
+    any_array: Sequence[str] = (),
+) -> None:
+  """Every moment is stored as this transform's ``state_format`` keeps it.
+
+  A state of another format (f32 or bf16 arrays where blockwise codes belong,
+  codes of another format, pallasopt's bf16 state where Optax's belongs, a
+  second moment on the map of states saved before 2026-11-26) would
+  otherwise step silently in its own format, or fail deep in XLA.
+
+  Args:
+    owner: the transform's name, for messages.
+    moments: each moment tree (blockwise moments as leaves) by where it sits
+      in the state, e.g. ``{"opt_state[0].mu": ..., "opt_state[0].nu": ...}``.
+    roles: per moment, how it is stored when blockwise (`quant.ROLES`).
+    params: the param leaves, None entries where they are not given.
+    grads: the gradient tree.
+    state_format: the transform's.
+    mu_dtype_fields: the moments whose dtype ``mu_dtype`` sets (any, in Optax's
+      state).
+    any_array: the moments taken as arrays of any dtype in every format: those
+      `pallasopt.optim.convert_state` leaves as they were (Optax's ``trace``
+      and ``ema`` states).
+
+  Raises:
+    ValueError: naming the leaf, both formats and `convert_state`.
+  """
+  likes = list(zip(params, jax.tree.leaves(grads), strict=True))
+  for (field, tree), role in zip(moments.items(), roles, strict=True):
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]
+    for (path, m), (p, g) in zip(leaves, likes, strict=True):
+      cls, want = _expected_storage(p, g, state_format, role)
+      if cls is not None:
+        # A root is on the same map in "int8" and "fp8": the same state.
+        fits = type(m) is cls and quant.codec_of(m) == quant.codec(role, want)
+        expected = f"{want} blockwise codes ({cls.__name__})"
+      elif is_quantized(m):
+        fits, expected = False, "an array" if want is None else f"a {want} array"
+      elif want is None:
+        # Refused only where a float32 param's moment is bfloat16.
+        fits, expected = not _is_bf16_format(m, p, field in mu_dtype_fields), "a float32 array"
+      else:
+        fits, expected = jnp.result_type(m) == want, f"a {want} array"
+      if fits or (field in any_array and not is_quantized(m)):
+        continue
+      legacy = (is_quantized(m) and cls is not None and role != quant.SIGNED
+                and quant.role_of(m) == quant.SIGNED)
+      raise ValueError(
+          f"{owner}: {field}{jax.tree_util.keystr(path)} is stored as {_storage(m)}, but this "
+          f"transform (state_format={state_format!r}) stores it as {expected}; a state of "
+          "another format is not stepped in it. Convert the state: "
+          f"pallasopt.optim.convert_state(opt_state, params, {state_format!r})."
+          + (" It was saved before 2026-11-26, when a second moment was stored as itself "
+             "(the old map): convert_state reads it, and "
+             "pallasopt.optim.legacy_state_structure is the tree to restore such a "
+             "checkpoint into." if legacy else "")
+      )
 
 
 # (count, learning_rate, weight_decay, grad_scale) -> the kernel's scalars.
@@ -485,6 +582,9 @@ def elementwise_transform(
     # Per leaf (own decay, link decay): the kernels add both rates times lr p.
     link_rate, decays = with_decay_link(owner, decays, decay_link, grads)
     ps = v.checked_param_leaves(owner, params, grads, mode=mode, decays=decays)
+    check_moment_storage(
+        owner, {f"opt_state[0].{f}": m for f, m in zip(state_cls._fields[1:], moments)}, roles,
+        ps, grads, state_format=state_format, mu_dtype_fields=(f"opt_state[0].{first_moment}",))
 
     count = optax.safe_increment(moment_state.count)
     if learning_rate_now is None:

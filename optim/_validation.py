@@ -101,14 +101,25 @@ def kernel_dtypes(*leaves: Any) -> bool:
   return all(x is None or jnp.result_type(x) in SUPPORTED_DTYPES for x in leaves)
 
 
-def _concrete_value(value: Any) -> float | None:
-  """The float value of a concrete scalar; None for tracers and schedules."""
-  if callable(value) or isinstance(value, jax.core.Tracer):
+def concrete_value(owner: str, name: str, value: Any) -> float | None:
+  """The float value of a concrete scalar; None for None, tracers, schedules
+  and non-scalar arrays.
+
+  Raises:
+    TypeError: ``value`` is text (``"3e-4"``, which Optax refuses too) or
+      another non-number.
+  """
+  if value is None or callable(value) or isinstance(value, jax.core.Tracer):
     return None
   try:
     array = np.asarray(value)
   except (TypeError, jax.errors.TracerArrayConversionError):
     return None
+  if array.dtype.kind in "OSUV":
+    raise TypeError(
+        f"{owner}: {name} must be a number, an array or a schedule (a callable of the step "
+        f"count); got {type(value).__name__} {value!r}."
+    )
   if array.shape != () or not np.issubdtype(array.dtype, np.number):
     return None
   return float(array)
@@ -128,7 +139,7 @@ def check_hyperparameter(
   Traced values (``optax.inject_hyperparams``) and schedules cannot be checked
   ahead of time and pass through.
   """
-  x = _concrete_value(value)
+  x = concrete_value(owner, name, value)
   if x is None:
     return
   above = x > high if high_inclusive else x >= high
@@ -143,9 +154,12 @@ def check_finite(owner: str, name: str, value: Any) -> None:
   """A concrete hyperparameter must be a finite number; its sign is free.
 
   For learning rates and weight-decay rates, which Optax takes with either
-  sign (a negative learning rate ascends). Traced values and schedules pass.
+  sign (a negative learning rate ascends). Traced values and schedules pass:
+  their values exist only inside the step. With
+  ``jax.config.update("jax_debug_nans", True)`` (and ``"jax_debug_infs"``)
+  the first update a non-finite one spoils raises ``FloatingPointError``.
   """
-  x = _concrete_value(value)
+  x = concrete_value(owner, name, value)
   if x is not None and not math.isfinite(x):
     raise ValueError(f"{owner}: {name} must be a finite number; got {value!r}.")
 
@@ -222,7 +236,7 @@ def static_int(owner: str, name: str, value: Any, *, low: int = 0, static_args: 
         f"{owner}: {name} must be a Python int, not a traced value; under "
         f"optax.inject_hyperparams pass {hint}."
     )
-  x = _concrete_value(value)
+  x = concrete_value(owner, name, value)
   if isinstance(value, bool) or x is None or x != int(x) or x < low:
     raise ValueError(f"{owner}: {name} must be an int >= {low}; got {value!r}.")
   return int(x)

@@ -14,6 +14,7 @@ from pallasopt.kernels._update import store_moment
 from pallasopt.optim import _validation as v
 from pallasopt.optim._elementwise_tx import (
     check_low_bit_options,
+    check_moment_storage,
     is_quantized,
     leaf_decay_rate,
     moment_arrays,
@@ -283,8 +284,13 @@ def adafactor(
                                 factored_state[1:], expected_state(params)):
       v.check_same_tree(_OWNER, f"opt_state[0].{name}", tree, "the state for params", want)
     if "momentum" in links:
-      v.check_same_tree(_OWNER, f"opt_state[{position['momentum']}].ema",
-                        moment_arrays(state[position["momentum"]].ema), "params", params)
+      field = f"opt_state[{position['momentum']}].ema"
+      stored = state[position["momentum"]].ema
+      v.check_same_tree(_OWNER, field, moment_arrays(stored), "params", params)
+      # convert_state leaves Optax's ema state as it is (it serves other
+      # transforms too): an array of any dtype steps, blockwise codes must fit.
+      check_moment_storage(_OWNER, {field: stored}, (quant.SIGNED,), jax.tree.leaves(params),
+                           grads, state_format=state_format, any_array=(field,))
 
     if learning_rate_now is None and learning_rate is not None:
       learning_rate_now = schedule_value(learning_rate, state[position["lr"]])

@@ -282,7 +282,7 @@ class _Core:
 
   def init(self, params):
     v.check_float_leaves(_OWNER, "params", params)
-    has_mu = v._concrete_value(self.b1) != 0.0
+    has_mu = v.concrete_value(_OWNER, "b1", self.b1) != 0.0
     mu = jax.tree.map(lambda p: jnp.zeros_like(p, self.mu_dtype or p.dtype), params) if has_mu else None
     qs = []
     for p, n in zip(jax.tree.leaves(params), self.stacked(params)):
@@ -557,7 +557,7 @@ def kron(
       stacked_axes=stacked_axes,
       impl=impl,
   ))
-  with_decay = v._concrete_value(weight_decay) != 0.0
+  with_decay = v.concrete_value(_OWNER, "weight_decay", weight_decay) != 0.0
   decay_tx = optax.add_decayed_weights(weight_decay, weight_decay_mask)
   lr_tx = optax.scale_by_learning_rate(learning_rate)
 

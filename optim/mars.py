@@ -28,6 +28,7 @@ from pallasopt.optim._base import (
 )
 from pallasopt.optim._elementwise_tx import (
     check_low_bit_options,
+    check_moment_storage,
     decay_link_leaves,
     fused_leaf_steps,
     is_quantized,
@@ -206,11 +207,15 @@ def mars(
     # MARS has no decay of its own; a folded decay link adds -lr * rate * p.
     link_rate, decays = decay_link_leaves(_OWNER, decay_link, grads)
     ps = v.checked_param_leaves(_OWNER, params, grads, mode=mode, decays=decays)
+    moments = (mars_state.mu, mars_state.nu, mars_state.mog)
+    check_moment_storage(
+        _OWNER, {f"opt_state[0].{f}": m for f, m in zip(("mu", "nu", "mog"), moments)},
+        mars_kernels.ROLES, ps, grads, state_format=state_format,
+        mu_dtype_fields=("opt_state[0].mu", "opt_state[0].mog"))
     count = optax.safe_increment(mars_state.count)
     if learning_rate_now is None:
       learning_rate_now = schedule_value(learning_rate, lr_state)
     decay_rate = -learning_rate_now * link_rate
-    moments = (mars_state.mu, mars_state.nu, mars_state.mog)
     gs = jax.tree.leaves(scaled_grads(grads, grad_scale))
     previous = [moment_value(m)
                 for m in jax.tree.leaves(mars_state.mog, is_leaf=is_quantized)]

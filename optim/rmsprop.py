@@ -19,6 +19,7 @@ from pallasopt.optim._base import (
 )
 from pallasopt.optim._elementwise_tx import (
     check_low_bit_options,
+    check_moment_storage,
     decay_link_leaves,
     fused_leaf_steps,
     moment_arrays,
@@ -126,6 +127,10 @@ def rmsprop(
   roles = rmsprop_kernels.moment_roles(centered=centered, momentum=trace_tx is not None)
   kernel_config = dict(centered=centered, eps_in_sqrt=eps_in_sqrt, nesterov=nesterov)
 
+  # Where each moment sits in the state.
+  fields = (*(["opt_state[0].mu"] if centered else []), "opt_state[0].nu",
+            *(["opt_state[2].trace"] if trace_tx else []))
+
   def moment_trees(state):
     rms, _, trace = state
     return [*([rms.mu] if centered else []), rms.nu, *([trace.trace] if trace_tx else [])]
@@ -168,6 +173,9 @@ def rmsprop(
     # RMSProp has no decay of its own; a folded decay link adds -lr * rate * p.
     link_rate, decays = decay_link_leaves(_OWNER, decay_link, grads)
     ps = v.checked_param_leaves(_OWNER, params, grads, mode=mode, decays=decays)
+    # convert_state leaves Optax's trace state as it is (it serves SGD's momentum too).
+    check_moment_storage(_OWNER, dict(zip(fields, moments, strict=True)), roles, ps, grads,
+                         state_format=state_format, any_array=fields[-1:] if trace_tx else ())
     count = optax.safe_increment(rms.count) if counted else jnp.zeros([], jnp.int32)
     if learning_rate_now is None:
       learning_rate_now = schedule_value(learning_rate, lr_state)

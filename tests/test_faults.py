@@ -140,3 +140,89 @@ def test_clipped_steps_through_a_spike(fmt):
              optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))):
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     assert np.all(np.isfinite(updates["w"]))
+
+
+# --- A state of another format is an error, never a step in that format. ---
+
+_TREE = {"w": jnp.zeros((16, 512)), "b": jnp.zeros((512,))}
+_FORMATS = (None, "bf16", *quant.FORMATS)
+_STORED_FAMILIES = {
+    "adamw": lambda fmt: pallasopt.optim.adamw(1e-3, state_format=fmt),
+    "lion": lambda fmt: pallasopt.optim.lion(1e-4, state_format=fmt),
+    "rmsprop": lambda fmt: pallasopt.optim.rmsprop(1e-3, centered=True, state_format=fmt),
+    "mars": lambda fmt: pallasopt.optim.mars(1e-3, state_format=fmt),
+    "muon": lambda fmt: pallasopt.optim.muon(1e-3, state_format=fmt),
+    "adafactor": lambda fmt: pallasopt.optim.adafactor(1e-3, momentum=0.9, state_format=fmt),
+}
+
+
+def _same_state(family: str, saved: str | None, loaded: str | None) -> bool:
+  """Whether two formats store the same state: Optax's own states, or bytes alike."""
+  # Lion's only moment in bf16 is also Optax's state with mu_dtype=bfloat16,
+  # which Optax (and state_format=None) steps.
+  if family == "lion" and (saved, loaded) == ("bf16", None):
+    return True
+  # Adafactor takes its momentum as any array (convert_state leaves Optax's
+  # ema state as it is); its codes must fit.
+  if family == "adafactor":
+    return saved in (None, "bf16")
+  return False
+
+
+@pytest.mark.parametrize("saved,loaded", [(a, b) for a in _FORMATS for b in _FORMATS if a != b],
+                         ids=str)
+@pytest.mark.parametrize("family", _STORED_FAMILIES)
+def test_a_state_of_another_format_is_a_clear_error(family, saved, loaded):
+  state = jax.eval_shape(_STORED_FAMILIES[family](saved).init, _TREE)
+  step = lambda: jax.eval_shape(_STORED_FAMILIES[family](loaded).update, _TREE, state, _TREE)
+  if _same_state(family, saved, loaded):
+    step()
+    return
+  with pytest.raises(ValueError, match=rf"\['(w|b)'\] is stored as .*state_format={loaded!r}.*"
+                                       rf"convert_state\(opt_state, params, {loaded!r}\)"):
+    step()
+
+
+def test_a_state_saved_with_the_old_map_names_it():
+  tx = pallasopt.optim.adamw(1e-3, state_format="int8")
+  old = pallasopt.optim.legacy_state_structure(jax.eval_shape(tx.init, _TREE), "int8")
+  with pytest.raises(ValueError, match=r"Int8Blockwise.*RatioBlockwise.*the old map.*"
+                                       r"legacy_state_structure"):
+    jax.eval_shape(tx.update, _TREE, old, _TREE)
+
+
+def test_optax_states_in_their_dtypes_still_step():
+  # What Optax's own transforms take: its state with any mu_dtype, and params
+  # not given where nothing decays.
+  state = optax.adamw(1e-3, mu_dtype=jnp.bfloat16).init(_TREE)
+  jax.eval_shape(pallasopt.optim.adamw(1e-3).update, _TREE, state, _TREE)
+  rms = pallasopt.optim.rmsprop(1e-3)
+  jax.eval_shape(rms.update, _TREE, optax.rmsprop(1e-3).init(_TREE))
+  # mu_dtype sets MARS's previous gradient too.
+  mars = pallasopt.optim.mars(1e-3, mu_dtype=jnp.bfloat16)
+  jax.eval_shape(mars.update, _TREE, mars.init(_TREE), _TREE)
+
+
+# --- Hyperparameters as Optax takes them. ---
+
+@pytest.mark.parametrize("make", [pallasopt.optim.adamw, pallasopt.optim.lion,
+                                  pallasopt.optim.rmsprop, pallasopt.optim.mars,
+                                  pallasopt.optim.muon, pallasopt.optim.adafactor],
+                         ids=lambda f: f.__name__)
+def test_a_learning_rate_must_be_a_finite_number_or_a_schedule(make):
+  for text in ("3e-4", "nan", "inf"):
+    with pytest.raises(TypeError, match=rf"learning_rate must be a number.*got str '{text}'"):
+      make(text)
+  for value in (float("nan"), float("inf"), -np.inf):
+    with pytest.raises(ValueError, match="learning_rate must be a finite number"):
+      make(value)
+
+
+def test_a_schedules_non_finite_value_raises_under_jax_debug_nans():
+  # A schedule's value exists only inside the step: jax_debug_nans (and
+  # _infs) refuse the first update it spoils, as the docs say.
+  tx = pallasopt.optim.adamw(lambda count: jnp.where(count < 1, jnp.nan, 1e-3),
+                             state_format="int8")
+  state = tx.init(_TREE)
+  with jax.debug_nans(True), pytest.raises(FloatingPointError):
+    jax.jit(tx.update)(_TREE, state, _TREE)

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers, MuonState
 
-from pallasopt.kernels import muon_momentum, ns_coefficients
+from pallasopt.kernels import muon_momentum, ns_coefficients, quant
 from pallasopt.kernels._update import (
     Gate,
     gated_accumulator,
@@ -34,6 +34,7 @@ from pallasopt.kernels._update import (
 from pallasopt.optim import _validation as v
 from pallasopt.optim._base import advance_schedule, held_counters, scaled_grads
 from pallasopt.optim._elementwise_tx import (
+    check_moment_storage,
     is_quantized,
     moment_arrays,
     moment_value,
@@ -252,6 +253,10 @@ class MuonChain:
     v.check_same_tree(OWNER, "grads", updates, "opt_state mu", moment_arrays(muon_state.mu))
     treedef = jax.tree.structure(updates)
     grads = jax.tree.leaves(updates)
+    check_moment_storage(
+        OWNER, {"MuonState.mu": muon_state.mu}, (quant.SIGNED,),
+        [None] * len(grads) if params is None else jax.tree.leaves(params), updates,
+        state_format=opts.state_format, mu_dtype_fields=("MuonState.mu",))
     count = optax.safe_increment(muon_state.count)
     mus = jax.tree.leaves(muon_state.mu, is_leaf=is_quantized)
     accumulating = isinstance(gate, Gate)
