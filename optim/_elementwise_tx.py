@@ -95,72 +95,110 @@ def is_quantized(x: Any) -> bool:
   return quant.is_blockwise(x)
 
 
-def check_state_format(owner: str, state_format: Any, mu_dtype: jnp.dtype | None) -> None:
-  """``state_format`` is one of `STATE_FORMATS` and does not contradict ``mu_dtype``."""
+def check_state_format(owner: str, state_format: Any) -> None:
+  """``state_format`` is one of `STATE_FORMATS`."""
   if state_format not in STATE_FORMATS:
     raise ValueError(
         f"{owner}: state_format must be one of {STATE_FORMATS}; got {state_format!r}."
-    )
-  if state_format is not None and mu_dtype is not None and not (
-      state_format == "bf16" and mu_dtype == jnp.bfloat16
-  ):
-    raise ValueError(
-        f"{owner}: mu_dtype={mu_dtype} and state_format={state_format!r} both set the first"
-        " moment's storage; set only one."
     )
 
 
 def stored_moment(
     value: jax.Array, param: Any, *, state_format: str | None, role: str = quant.SIGNED,
     root: jax.Array | None = None, dtype: jnp.dtype | None = None,
+    kept_dtype: jnp.dtype | None = None,
 ) -> jax.Array | quant.Blockwise:
   """A moment ``value`` stored as ``state_format`` keeps it for ``param``'s leaf.
 
   ``None``, and leaves whose params are not float32 or bfloat16: ``dtype``
-  (default: the param's), as Optax's init. ``"bf16"``: bfloat16 (rounded to
-  nearest here; the steps round stochastically). ``"int8"``, ``"fp8"`` and ``"int4"``:
-  blockwise in ``role`` (`quant.quantize`, rounded to nearest here; a
-  `quant.RATIO` needs ``root``, the f32 root of its second moment); f32 for
-  leaves under `quant.MIN_QUANTIZED_SIZE` elements.
+  (default: the param's), as Optax's init. ``"bf16"``: ``kept_dtype``,
+  default bfloat16 (rounded to nearest here; the steps round bf16
+  stochastically). ``"int8"``, ``"fp8"`` and ``"int4"``: blockwise in ``role``
+  (`quant.quantize`, rounded to nearest here; a `quant.RATIO` needs ``root``,
+  the f32 root of its second moment); ``kept_dtype``, default float32, for
+  leaves under `quant.MIN_QUANTIZED_SIZE` elements. A transform's
+  ``mu_dtype`` is its first moment's ``kept_dtype``: the dtype it has wherever
+  the format keeps it as an array (blockwise moments are computed in f32).
   """
   if state_format is None or not v.kernel_dtypes(param):
     return value.astype(dtype or jnp.result_type(param))
   if state_format == "bf16":
-    return value.astype(jnp.bfloat16)
+    return value.astype(kept_dtype or jnp.bfloat16)
   if math.prod(jnp.shape(param)) < quant.MIN_QUANTIZED_SIZE:
-    return value.astype(jnp.float32)
+    return value.astype(kept_dtype or jnp.float32)
   return quant.quantize(value, role=role, fmt=state_format, root=root)
 
 
 def stored_leaf_moments(
     values: Sequence[jax.Array], param: Any, *, roles: Sequence[str], state_format: str | None,
     dtypes: Sequence[jnp.dtype | None] | None = None,
+    kept_dtypes: Sequence[jnp.dtype | None] | None = None,
 ) -> tuple[Any, ...]:
   """One leaf's moments (f32 ``values``, one per role) stored as ``state_format`` keeps them.
 
-  A `quant.RATIO` moment is divided by the root of the leaf's `quant.ROOT`
-  moment (`stored_moment`).
+  ``dtypes`` and ``kept_dtypes``: per moment, `stored_moment`'s. A
+  `quant.RATIO` moment is divided by the root of the leaf's `quant.ROOT`
+  moment.
   """
   root = None
   if quant.ROOT in roles:
     root = quant.to_stored(values[roles.index(quant.ROOT)].astype(jnp.float32), quant.ROOT)
   dtypes = dtypes or [None] * len(values)
+  kept_dtypes = kept_dtypes or [None] * len(values)
   return tuple(
-      stored_moment(x, param, state_format=state_format, role=r, root=root, dtype=d)
-      for x, r, d in zip(values, roles, dtypes, strict=True)
+      stored_moment(x, param, state_format=state_format, role=r, root=root, dtype=d,
+                    kept_dtype=k)
+      for x, r, d, k in zip(values, roles, dtypes, kept_dtypes, strict=True)
   )
 
 
+def _is_array_leaf(x: Any) -> bool:
+  return x is not None and jax.tree.structure(x).num_leaves == jax.tree.structure(x).num_nodes == 1
+
+
+def _wraps_one_array(x: Any) -> bool:
+  """Whether ``x`` is a pytree node whose one child is an array, as flax's
+  ``nnx.Variable`` wraps a param's value (not a container of Python's, which
+  holds its items)."""
+  if x is None or isinstance(x, (dict, list, tuple)) or _is_array_leaf(x):
+    return False
+  children = jax.tree_util.tree_flatten(x, is_leaf=lambda child: child is not x)[0]
+  return len(children) == 1 and _is_array_leaf(children[0])
+
+
+def _wrapped_like(node: Any, moment: Any) -> Any:
+  """``moment`` where ``node`` stood in the params: each of its arrays wrapped as
+  ``node`` wraps its own, where ``node`` `_wraps_one_array`."""
+  if not _wraps_one_array(node):
+    return moment
+  treedef = jax.tree.structure(node)
+  return jax.tree.map(lambda a: treedef.unflatten([a]), moment)
+
+
+def _unwrapped(x: Any) -> Any:
+  return jax.tree.leaves(x)[0] if _wraps_one_array(x) else x
+
+
 def stored_moment_trees(
-    trees: Sequence[Any], params: Any, *, roles: Sequence[str], state_format: str | None
+    trees: Sequence[Any], params: Any, *, roles: Sequence[str], state_format: str | None,
+    kept_dtypes: Sequence[jnp.dtype | None] | None = None,
 ) -> list[Any]:
-  """`stored_leaf_moments` of every leaf: one tree per moment, each leaf in its tree's dtype."""
-  treedef = jax.tree.structure(params)
-  columns = [jax.tree.leaves(t) for t in trees]
+  """`stored_leaf_moments` of every leaf: one tree per moment, Optax's state in
+  its tree's dtype.
+
+  Where the params wrap each array in a node (flax's ``nnx.Param``), a
+  blockwise moment's codes and scales are each wrapped so, not the moment
+  whole: ``nnx.Optimizer`` writes each step's state back array by array, and
+  so keeps the moment's type.
+  """
+  nodes, treedef = jax.tree.flatten(params, is_leaf=_wraps_one_array)
+  columns = [jax.tree.leaves(t, is_leaf=_wraps_one_array) for t in trees]
   per_leaf = [
-      stored_leaf_moments(values, p, roles=roles, state_format=state_format,
-                          dtypes=[x.dtype for x in values])
-      for p, *values in zip(jax.tree.leaves(params), *columns, strict=True)
+      [_wrapped_like(node, m) for m in stored_leaf_moments(
+          [_unwrapped(x) for x in values], _unwrapped(node), roles=roles,
+          state_format=state_format, dtypes=[_unwrapped(x).dtype for x in values],
+          kept_dtypes=kept_dtypes)]
+      for node, *values in zip(nodes, *columns, strict=True)
   ]
   by_moment = list(zip(*per_leaf, strict=True)) or [()] * len(trees)
   return [treedef.unflatten(column) for column in by_moment]
@@ -185,21 +223,21 @@ def _storage(m: Any) -> str:
   return f"a {dtype} array (state_format={made_by})"
 
 
-def _expected_storage(param: Any, grad: Any, state_format: str | None, role: str
-                      ) -> tuple[type | None, Any]:
+def _expected_storage(param: Any, grad: Any, state_format: str | None, role: str,
+                      kept_dtype: jnp.dtype | None) -> tuple[type | None, Any]:
   """How `stored_moment` keeps a moment of this leaf: ``(blockwise class, format)``,
   ``(None, dtype)`` for an array of that dtype, or ``(None, None)`` for Optax's
   state, an array whose dtype follows Optax's promotions (an f16 param's
   second moment comes out f32). The gradient stands in for a param not given
   (``param`` None): the formats decide by its shape and whether a kernel
-  takes its dtype."""
+  takes its dtype. ``kept_dtype``: `stored_moment`'s."""
   like = grad if param is None else param
   if state_format is None or not v.kernel_dtypes(like):
     return None, None
   if state_format == "bf16":
-    return None, jnp.dtype(jnp.bfloat16)
+    return None, jnp.dtype(kept_dtype or jnp.bfloat16)
   if math.prod(jnp.shape(like)) < quant.MIN_QUANTIZED_SIZE:
-    return None, jnp.dtype(jnp.float32)
+    return None, jnp.dtype(kept_dtype or jnp.float32)
   return quant.blockwise_class(role, state_format), state_format
 
 
@@ -212,8 +250,8 @@ def _is_bf16_format(m: Any, param: Any, free_dtype: bool) -> bool:
 
 def check_moment_storage(
     owner: str, moments: Mapping[str, Any], roles: Sequence[str], params: Sequence[Any],
-    grads: Any, *, state_format: str | None, mu_dtype_fields: Sequence[str] = (),
-    any_array: Sequence[str] = (),
+    grads: Any, *, state_format: str | None, mu_dtype: jnp.dtype | None = None,
+    mu_dtype_fields: Sequence[str] = (), any_array: Sequence[str] = (),
 ) -> None:
   """Every moment is stored as this transform's ``state_format`` keeps it.
 
@@ -230,8 +268,9 @@ def check_moment_storage(
     params: the param leaves, None entries where they are not given.
     grads: the gradient tree.
     state_format: the transform's.
-    mu_dtype_fields: the moments whose dtype ``mu_dtype`` sets (any, in Optax's
-      state).
+    mu_dtype: the transform's: the dtype of the moments ``mu_dtype_fields``
+      wherever the format keeps them as arrays (in Optax's state, any dtype).
+    mu_dtype_fields: the moments whose dtype ``mu_dtype`` sets.
     any_array: the moments taken as arrays of any dtype in every format: those
       `pallasopt.optim.convert_state` leaves as they were (Optax's ``trace``
       and ``ema`` states).
@@ -243,7 +282,8 @@ def check_moment_storage(
   for (field, tree), role in zip(moments.items(), roles, strict=True):
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]
     for (path, m), (p, g) in zip(leaves, likes, strict=True):
-      cls, want = _expected_storage(p, g, state_format, role)
+      kept_dtype = mu_dtype if field in mu_dtype_fields else None
+      cls, want = _expected_storage(p, g, state_format, role, kept_dtype)
       if cls is not None:
         # A root is on the same map in "int8" and "fp8": the same state.
         fits = type(m) is cls and quant.codec_of(m) == quant.codec(role, want)
@@ -315,11 +355,9 @@ def moment_arrays(tree: Any) -> Any:
   return jax.tree.map(lambda m: m.codes if is_quantized(m) else m, tree, is_leaf=is_quantized)
 
 
-def check_low_bit_options(
-    owner: str, state_format: Any, param_rounding: Any, seed: Any, mu_dtype: Any = None
-) -> Any:
+def check_low_bit_options(owner: str, state_format: Any, param_rounding: Any, seed: Any) -> Any:
   """Checks a transform's low-bit options; returns the seed (None means 0)."""
-  check_state_format(owner, state_format, mu_dtype)
+  check_state_format(owner, state_format)
   check_rounding(f"{owner}: param_rounding", param_rounding)
   seed = 0 if seed is None else seed
   check_seed(owner, seed)
@@ -542,7 +580,7 @@ def elementwise_transform(
   _check_hyperparameters(owner, learning_rate, weight_decay, betas, nonnegative or {})
   resolve_impl(impl)
   mu_dtype = v.optional_dtype(owner, "mu_dtype", mu_dtype)
-  seed = check_low_bit_options(owner, state_format, param_rounding, seed, mu_dtype)
+  seed = check_low_bit_options(owner, state_format, param_rounding, seed)
   first_moment = state_cls._fields[1]
   num_moments = len(state_cls._fields) - 1
   # Optax builds these two states; reusing their init keeps ours identical.
@@ -567,7 +605,8 @@ def elementwise_transform(
         jax.tree.map(lambda p, d=d: jnp.zeros_like(p, d or jnp.result_type(p)), params)
         for d in dtypes
     ]
-    moments = stored_moment_trees(zeros, params, roles=roles, state_format=state_format)
+    moments = stored_moment_trees(zeros, params, roles=roles, state_format=state_format,
+                                  kept_dtypes=dtypes)
     return state_cls(jnp.zeros([], jnp.int32), *moments), decay_tx.init(params), lr_tx.init(params)
 
   def step(grads, state, params, mode, grad_scale, learning_rate_now, decay_link=None,
@@ -584,7 +623,8 @@ def elementwise_transform(
     ps = v.checked_param_leaves(owner, params, grads, mode=mode, decays=decays)
     check_moment_storage(
         owner, {f"opt_state[0].{f}": m for f, m in zip(state_cls._fields[1:], moments)}, roles,
-        ps, grads, state_format=state_format, mu_dtype_fields=(f"opt_state[0].{first_moment}",))
+        ps, grads, state_format=state_format, mu_dtype=mu_dtype,
+        mu_dtype_fields=(f"opt_state[0].{first_moment}",))
 
     count = optax.safe_increment(moment_state.count)
     if learning_rate_now is None:

@@ -95,7 +95,11 @@ def adamw(
     b2: decay of the second moment, in [0, 1).
     eps: added to the denominator outside the square root, >= 0.
     eps_root: added inside the square root, >= 0.
-    mu_dtype: dtype of the first moment (None: the params' dtype).
+    mu_dtype: dtype of the first moment (None: the params' dtype). With a
+      ``state_format``, its dtype wherever that format keeps it as an array
+      (every leaf for ``"bf16"``, default bfloat16; leaves under 4096
+      elements for the blockwise formats, default float32); blockwise first
+      moments are computed in f32. Optax's trainers (MaxText) pass it always.
     weight_decay: decoupled weight decay (scalar or schedule); as in
       Optax it is multiplied by the learning rate.
     mask: a tree of bools (or a prefix of the params tree, or a callable

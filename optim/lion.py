@@ -68,7 +68,8 @@ def lion(
     learning_rate: a scalar or an ``optax`` schedule of the step count.
     b1: interpolation between momentum and gradient for the sign, in [0, 1).
     b2: decay of the momentum, in [0, 1).
-    mu_dtype: dtype of the momentum (None: the params' dtype).
+    mu_dtype: dtype of the momentum (None: the params' dtype); with a
+      ``state_format``, as in `pallasopt.optim.adamw`.
     weight_decay: weight decay (scalar or schedule), scaled by the
       learning rate like Optax's.
     mask: which leaves decay: bools in the params' tree (or a prefix of it),

@@ -163,7 +163,8 @@ def mars(
     eps, eps_root: added to the denominator outside and inside the root.
     max_grad_norm: global-norm clip of the variance-reduced gradient (0 or
       None: off).
-    mu_dtype: dtype of ``mu`` and ``mog`` (None: the params').
+    mu_dtype: dtype of ``mu`` and ``mog`` (None: the params'); with a
+      ``state_format``, as in `pallasopt.optim.adamw`.
     state_format: ``None``, ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"`` (as in
       `pallasopt.optim.adamw`; ``mog`` on the signed map).
     param_rounding: ``"nearest"`` or ``"stochastic"``: how
@@ -180,7 +181,7 @@ def mars(
   v.check_finite(_OWNER, "learning_rate", learning_rate)
   resolve_impl(impl)
   mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
-  seed = check_low_bit_options(_OWNER, state_format, param_rounding, seed, mu_dtype)
+  seed = check_low_bit_options(_OWNER, state_format, param_rounding, seed)
   scaling = scale_by_mars(b1, b2, gamma, eps, eps_root, max_grad_norm, mu_dtype)
   lr_tx = optax.scale_by_learning_rate(learning_rate)
 
@@ -188,7 +189,7 @@ def mars(
     state = scaling.init(params)
     stored = stored_moment_trees(
         (state.mu, state.nu, state.mog), params, roles=mars_kernels.ROLES,
-        state_format=state_format,
+        state_format=state_format, kept_dtypes=(mu_dtype, None, mu_dtype),
     )
     return ScaleByMarsState(state.count, *stored), lr_tx.init(params)
 
@@ -210,7 +211,7 @@ def mars(
     moments = (mars_state.mu, mars_state.nu, mars_state.mog)
     check_moment_storage(
         _OWNER, {f"opt_state[0].{f}": m for f, m in zip(("mu", "nu", "mog"), moments)},
-        mars_kernels.ROLES, ps, grads, state_format=state_format,
+        mars_kernels.ROLES, ps, grads, state_format=state_format, mu_dtype=mu_dtype,
         mu_dtype_fields=("opt_state[0].mu", "opt_state[0].mog"))
     count = optax.safe_increment(mars_state.count)
     if learning_rate_now is None:

@@ -118,8 +118,10 @@ def convert_state(
       ``jax.ShapeDtypeStruct``s): they decide each leaf's storage, as
       ``init`` does.
     state_format: ``None`` (Optax's state), ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
-    mu_dtype: with ``state_format=None``, the first moment's dtype (as the
-      transform's ``mu_dtype``; default the params' dtype).
+    mu_dtype: the first moment's dtype wherever ``state_format`` keeps it
+      as an array (as the transform's ``mu_dtype``; default the params' dtype
+      for ``None``, bfloat16 for ``"bf16"``, float32 for the leaves a blockwise
+      format keeps as arrays).
     legacy_scales: ``opt_state`` was saved by pallasopt before 2026-11-25
       with 8-bit or fp8 moments: a matrix whose rows hold whole blocks kept
       its scales as ``(..., rows, blocks per row)``, now ``(..., blocks per
@@ -136,7 +138,7 @@ def convert_state(
       format, or moments whose tree or shapes differ from ``params``'.
   """
   mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
-  check_state_format(_OWNER, state_format, mu_dtype)
+  check_state_format(_OWNER, state_format)
 
   def current(moment):
     return quant.from_row_major_scales(moment) if legacy_scales and is_quantized(moment) else moment
@@ -169,7 +171,7 @@ def convert_state(
         return tuple(moments)  # already stored so: kept code for code
       values = _leaf_values(moments, roles)
       return stored_leaf_moments(
-          values, p, roles=roles, state_format=state_format, dtypes=dtypes
+          values, p, roles=roles, state_format=state_format, dtypes=dtypes, kept_dtypes=dtypes
       )
 
     per_leaf = [

@@ -126,7 +126,6 @@ def test_low_bit_state(fmt):
 @pytest.mark.parametrize("call,match", [
     (functools.partial(mars, 1e-3, b1=1.0), "b1"),
     (functools.partial(mars, 1e-3, gamma=-0.1), "gamma"),
-    (functools.partial(mars, 1e-3, state_format="int8", mu_dtype=jnp.bfloat16), "mu_dtype"),
     (functools.partial(scale_by_mars, max_grad_norm=-1.0), "max_grad_norm"),
 ])
 def test_bad_arguments(call, match):

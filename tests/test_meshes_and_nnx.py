@@ -147,6 +147,53 @@ def test_flax_nnx_optimizer_trains_with_every_optimizer(name):
   _close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), pure)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("name", ["adamw", "lion", "muon", "rmsprop"])
+def test_flax_nnx_optimizer_keeps_low_bit_state_across_steps(name, fmt):
+  # nnx.Optimizer writes each step's state back into its variables, array by
+  # array: a blockwise moment must come back the NamedTuple it was (the
+  # kernel's 64 x 128 holds blockwise state), under nnx.jit, step after step,
+  # and the model must train exactly as the same transform on plain pytrees.
+  nnx = pytest.importorskip("flax.nnx")
+  tx = getattr(pallasopt.optim, name)(1e-3, state_format=fmt)
+
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(64, 128, rngs=rngs)
+
+    def __call__(self, x):
+      return self.dense(x)
+
+  x = jnp.linspace(-1, 1, 4 * 64).reshape(4, 64)
+  loss = lambda model: jnp.mean((model(x) - 1.0) ** 2)
+  model = Model(nnx.Rngs(0))
+  pure = jax.tree.map(jnp.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  pure_loss = lambda p: jnp.mean((x @ p["dense"]["kernel"] + p["dense"]["bias"] - 1.0) ** 2)
+  state, update = tx.init(pure), jax.jit(tx.update)
+  for _ in range(3):
+    updates, state = update(jax.grad(pure_loss)(pure), state, pure)
+    pure = optax.apply_updates(pure, updates)
+
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  structure = jax.tree.structure(nnx.as_pure(optimizer.opt_state))
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    optimizer.update(model, nnx.grad(loss)(model))
+
+  for _ in range(3):
+    train_step(model, optimizer)
+    assert jax.tree.structure(nnx.as_pure(optimizer.opt_state)) == structure
+  blockwise = [m for m in jax.tree.leaves(nnx.as_pure(optimizer.opt_state),
+                                          is_leaf=kernels.quant.is_blockwise)
+               if kernels.quant.is_blockwise(m)]
+  assert len(blockwise) == (0 if fmt == "bf16" else 1 + (name == "adamw"))
+  # One program (nnx.jit) against two: Muon's f32 matmuls may round a few
+  # ulps apart (`_close`).
+  _close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), pure)
+
+
 def test_orbax_round_trip_of_a_sharded_state(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)

@@ -39,7 +39,7 @@ from pallasopt.optim._elementwise_tx import (
     moment_arrays,
     moment_value,
     momentum_rounding,
-    stored_moment,
+    stored_moment_trees,
 )
 from pallasopt.optim._types import MaskOrFn, ScalarOrSchedule
 from pallasopt.optim.muon._layout import Layout, Spec, broadcast_prefix, is_spec_leaf, split_parts
@@ -150,13 +150,9 @@ class MuonChain:
 
   def init(self, params):
     opts = self.options
-    mu = jax.tree.map(
-        lambda p: stored_moment(
-            jnp.zeros_like(p, jnp.float32), p, state_format=opts.state_format,
-            dtype=opts.mu_dtype,
-        ),
-        params,
-    )
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, opts.mu_dtype or jnp.result_type(p)), params)
+    (mu,) = stored_moment_trees([zeros], params, roles=(quant.SIGNED,),
+                                state_format=opts.state_format, kept_dtypes=(opts.mu_dtype,))
     state = (
         MuonState(count=jnp.zeros([], jnp.int32), mu=mu, ns_coeffs=jnp.asarray(opts.init_coeffs)),
         optax.EmptyState(),
@@ -256,7 +252,8 @@ class MuonChain:
     check_moment_storage(
         OWNER, {"MuonState.mu": muon_state.mu}, (quant.SIGNED,),
         [None] * len(grads) if params is None else jax.tree.leaves(params), updates,
-        state_format=opts.state_format, mu_dtype_fields=("MuonState.mu",))
+        state_format=opts.state_format, mu_dtype=opts.mu_dtype,
+        mu_dtype_fields=("MuonState.mu",))
     count = optax.safe_increment(muon_state.count)
     mus = jax.tree.leaves(muon_state.mu, is_leaf=is_quantized)
     accumulating = isinstance(gate, Gate)

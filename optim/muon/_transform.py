@@ -178,7 +178,8 @@ def muon(
     eps: Newton–Schulz normalization epsilon and AdamW's ``eps``.
     weight_decay: decoupled weight decay of the Muon leaves (times lr).
     weight_decay_mask: Optax mask (tree, prefix or callable) of decaying leaves.
-    mu_dtype: momentum dtype (both parts).
+    mu_dtype: momentum dtype (both parts); with a ``state_format``, as in
+      `pallasopt.optim.adamw`.
     nesterov: Nesterov momentum (both parts).
     adaptive: Optax's dual-norm scaling.
     preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"``, ``"schatten"``.
@@ -278,7 +279,7 @@ def muon(
     init_coeffs = resolve_coeffs(ns_coeffs, ns_steps, ns_rule, custom_ns_coeffs)
   table_steps = ns_steps if init_coeffs.ndim == 1 else None
   mu_dtype = v.optional_dtype(OWNER, "mu_dtype", mu_dtype)
-  seed = check_low_bit_options(OWNER, state_format, "nearest", seed, mu_dtype)
+  seed = check_low_bit_options(OWNER, state_format, "nearest", seed)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
