@@ -115,19 +115,20 @@ def kept_in_hbm(operands: Sequence[Any], backend: str, interpret: bool) -> list[
   results back out). For a kernel that streams a leaf through VMEM in blocks
   itself, that is the same HBM traffic plus a VMEM copy of every operand,
   which ``cost_analysis()`` counts too. Outputs aliased to an operand stay
-  with it; other outputs are placed by XLA. Only operands being staged into
-  a jaxpr are constrained: the constraint has no eager, batching or
-  differentiation rule (a kernel called eagerly is compiled alone, with
-  nothing to stage; under `jax.vmap` batched operands go as they are). Triton,
-  the interpreter, and a JAX without ``with_memory_space_constraint`` take
-  the operands as they are too.
+  with it; other outputs are placed by XLA. Operands are constrained only
+  where all are being staged into a jaxpr: the constraint has no eager,
+  batching or differentiation rule (a kernel called eagerly is compiled
+  alone, with nothing to stage), and under `jax.vmap` the pallas_call's
+  batching rule broadcasts the unbatched operands, which JAX 0.12 refuses for
+  a value constrained to HBM ("unknown memory_space type"), so then none is.
+  Triton, the interpreter, and a JAX without ``with_memory_space_constraint``
+  take the operands as they are too.
   """
   constrain = getattr(pltpu, "with_memory_space_constraint", None)
-  if backend != "tpu" or interpret or constrain is None:
+  staged = all(isinstance(x, pe.DynamicJaxprTracer) for x in operands)
+  if backend != "tpu" or interpret or constrain is None or not staged:
     return list(operands)
-  return [
-      constrain(x, pltpu.HBM) if isinstance(x, pe.DynamicJaxprTracer) else x for x in operands
-  ]
+  return [constrain(x, pltpu.HBM) for x in operands]
 
 
 if hasattr(jax, "shard_map"):
