@@ -110,41 +110,40 @@ def test_inside_shard_map_each_device_steps_its_own_replica(name):
   _close(replicated_step(params, grads), want)
 
 
-@pytest.mark.parametrize("name", list(_OPTIMIZERS))
-def test_flax_nnx_optimizer_trains_with_every_optimizer(name):
+def _nnx_and_plain_runs(tx, features, each_step=lambda optimizer: None, steps=3):
+  """One dense layer (``features``: in, out) trained ``steps`` steps by ``tx`` two
+  ways: flax NNX's ``nnx.Optimizer`` under ``nnx.jit``, as an NNX training loop
+  steps (one program, not each op eagerly), and ``tx`` on plain pytrees.
+
+  Returns the NNX params as a pure dict and the plain run's params;
+  ``each_step(optimizer)`` runs after each NNX step.
+  """
   nnx = pytest.importorskip("flax.nnx")
-
-  class Model(nnx.Module):
-
-    def __init__(self, rngs):
-      self.dense = nnx.Linear(16, 8, rngs=rngs)
-
-    def __call__(self, x):
-      return self.dense(x)
-
-  x = jnp.linspace(-1, 1, 4 * 16).reshape(4, 16)
-  y = jnp.ones((4, 8))
-  loss = lambda model: jnp.mean((model(x) - y) ** 2)
-  model = Model(nnx.Rngs(0))
-  params = nnx.state(model, nnx.Param)
-  tx = _OPTIMIZERS[name]()
-  # The functional run: plain pytrees, the same transform.
-  pure = jax.tree.map(jnp.asarray, nnx.to_pure_dict(params))
-  pure_loss = lambda p: jnp.mean((x @ p["dense"]["kernel"] + p["dense"]["bias"] - y) ** 2)
+  x = jnp.linspace(-1, 1, 4 * features[0]).reshape(4, features[0])
+  model = nnx.Linear(*features, rngs=nnx.Rngs(0))
+  loss = lambda model: jnp.mean((model(x) - 1.0) ** 2)
+  pure = jax.tree.map(jnp.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  pure_loss = lambda p: jnp.mean((x @ p["kernel"] + p["bias"] - 1.0) ** 2)
   state, update = tx.init(pure), jax.jit(tx.update)
-  for _ in range(3):
+  for _ in range(steps):
     updates, state = update(jax.grad(pure_loss)(pure), state, pure)
     pure = optax.apply_updates(pure, updates)
 
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-  @nnx.jit  # as an nnx training loop steps: one program, not each op eagerly
+  @nnx.jit
   def train_step(model, optimizer):
     optimizer.update(model, nnx.grad(loss)(model))
 
-  for _ in range(3):
+  for _ in range(steps):
     train_step(model, optimizer)
-  _close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), pure)
+    each_step(optimizer)
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param)), pure
+
+
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
+def test_flax_nnx_optimizer_trains_with_every_optimizer(name):
+  _close(*_nnx_and_plain_runs(_OPTIMIZERS[name](), (16, 8)))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8", "int4"])
@@ -152,46 +151,22 @@ def test_flax_nnx_optimizer_trains_with_every_optimizer(name):
 def test_flax_nnx_optimizer_keeps_low_bit_state_across_steps(name, fmt):
   # nnx.Optimizer writes each step's state back into its variables, array by
   # array: a blockwise moment must come back the NamedTuple it was (the
-  # kernel's 64 x 128 holds blockwise state), under nnx.jit, step after step,
-  # and the model must train exactly as the same transform on plain pytrees.
+  # kernel's 64 x 128 holds blockwise state) step after step, and the model
+  # trains as the same transform on plain pytrees (`_close`: one program
+  # against two, Muon's f32 matmuls may round a few ulps apart).
   nnx = pytest.importorskip("flax.nnx")
   tx = getattr(pallasopt.optim, name)(1e-3, state_format=fmt)
-
-  class Model(nnx.Module):
-
-    def __init__(self, rngs):
-      self.dense = nnx.Linear(64, 128, rngs=rngs)
-
-    def __call__(self, x):
-      return self.dense(x)
-
-  x = jnp.linspace(-1, 1, 4 * 64).reshape(4, 64)
-  loss = lambda model: jnp.mean((model(x) - 1.0) ** 2)
-  model = Model(nnx.Rngs(0))
-  pure = jax.tree.map(jnp.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-  pure_loss = lambda p: jnp.mean((x @ p["dense"]["kernel"] + p["dense"]["bias"] - 1.0) ** 2)
-  state, update = tx.init(pure), jax.jit(tx.update)
-  for _ in range(3):
-    updates, state = update(jax.grad(pure_loss)(pure), state, pure)
-    pure = optax.apply_updates(pure, updates)
-
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  structure = jax.tree.structure(nnx.as_pure(optimizer.opt_state))
-
-  @nnx.jit
-  def train_step(model, optimizer):
-    optimizer.update(model, nnx.grad(loss)(model))
-
-  for _ in range(3):
-    train_step(model, optimizer)
-    assert jax.tree.structure(nnx.as_pure(optimizer.opt_state)) == structure
-  blockwise = [m for m in jax.tree.leaves(nnx.as_pure(optimizer.opt_state),
-                                          is_leaf=kernels.quant.is_blockwise)
-               if kernels.quant.is_blockwise(m)]
-  assert len(blockwise) == (0 if fmt == "bf16" else 1 + (name == "adamw"))
-  # One program (nnx.jit) against two: Muon's f32 matmuls may round a few
-  # ulps apart (`_close`).
-  _close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), pure)
+  structures = []
+  got, want = _nnx_and_plain_runs(
+      tx, (64, 128), lambda optimizer: structures.append(nnx.as_pure(optimizer.opt_state)))
+  blockwise = lambda state: [m for m in jax.tree.leaves(state, is_leaf=kernels.quant.is_blockwise)
+                             if kernels.quant.is_blockwise(m)]
+  assert len(blockwise(structures[-1])) == (0 if fmt == "bf16" else 1 + (name == "adamw"))
+  want_structure = jax.tree.structure(structures[0])
+  assert all(jax.tree.structure(s) == want_structure for s in structures)
+  assert want_structure == jax.tree.structure(
+      nnx.as_pure(nnx.Optimizer(nnx.Linear(64, 128, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param).opt_state))
+  _close(got, want)
 
 
 def test_orbax_round_trip_of_a_sharded_state(tmp_path):
