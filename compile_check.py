@@ -13,7 +13,7 @@ llama-1b-2l`` (a decoder of `pallasopt.whole_step.DECODERS`) instead of
 ``--shapes`` it compiles a whole train step in the form ``--mode`` names and
 prints its bytes and peak memory against Optax's AdamW in the same form.
 
-It needs the ``aot`` extra (``pip install "pallasopt[aot]"``: libtpu, the
+It needs the ``aot`` extra (``pip install -e ".[aot]"`` from the checkout: libtpu, the
 CUDA plugin and ptxas at the versions the compile tier pins) and must run
 before any other JAX backend starts: it sets ``JAX_PLATFORMS=cpu`` when run
 as a program (set it yourself before importing JAX to use `compile_for`).
@@ -125,7 +125,7 @@ def missing(target: str) -> str | None:
       import jax_plugins.xla_cuda12  # noqa: F401
       import nvidia.cuda_nvcc  # noqa: F401
   except ImportError as e:
-    return f'needs the aot extra (pip install "pallasopt[aot]"): {e}'
+    return f'needs the aot extra (from the checkout: pip install -e ".[aot]", BUILD.md): {e}'
   return None
 
 
