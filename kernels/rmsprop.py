@@ -147,12 +147,11 @@ def _rmsprop_math(
   return (u, *new)
 
 
-def _math(centered, eps_in_sqrt, nesterov, moments):
+def _math(centered, eps_in_sqrt, momentum, nesterov, moments):
   """The math of a leaf with these ``moments`` (`_rmsprop_math`)."""
   return functools.partial(
-      _rmsprop_math, centered=centered, eps_in_sqrt=eps_in_sqrt,
-      momentum=len(moments) == 1 + centered + 1, nesterov=nesterov,
-      floor_spread=centered and any(quant.is_blockwise(m) for m in moments),
+      _rmsprop_math, centered=centered, eps_in_sqrt=eps_in_sqrt, momentum=momentum,
+      nesterov=nesterov, floor_spread=centered and any(map(quant.is_blockwise, moments)),
   )
 
 
@@ -181,7 +180,8 @@ def rmsprop_reference(
   """
   momentum = len(moments) == 1 + centered + 1
   return reference_update(
-      _math(centered, eps_in_sqrt, nesterov, moments), p, g, moments, scalars, mode=mode,
+      _math(centered, eps_in_sqrt, momentum, nesterov, moments), p, g, moments, scalars,
+      mode=mode,
       decay=decay, roles=moment_roles(centered=centered, momentum=momentum),
       state_rounding=state_rounding, param_rounding=param_rounding, key=key, gate=gate,
   )
@@ -200,7 +200,8 @@ def rmsprop_kernel(
   """
   momentum = len(moments) == 1 + centered + 1
   return kernel_update(
-      _math(centered, eps_in_sqrt, nesterov, moments), p, g, moments, scalars, mode=mode,
+      _math(centered, eps_in_sqrt, momentum, nesterov, moments), p, g, moments, scalars,
+      mode=mode,
       decay=decay, backend=backend, interpret=interpret, name="rmsprop",
       flops_per_element=FLOPS_PER_ELEMENT, transcendentals_per_element=1,
       roles=moment_roles(centered=centered, momentum=momentum),

@@ -120,13 +120,25 @@ def stored_moment(
   ``mu_dtype`` is its first moment's ``kept_dtype``: the dtype it has wherever
   the format keeps it as an array (blockwise moments are computed in f32).
   """
-  if state_format is None or not v.kernel_dtypes(param):
+  kept = _kept_as(param, state_format, kept_dtype)
+  if kept is None:
     return value.astype(dtype or jnp.result_type(param))
+  if isinstance(kept, str):  # a blockwise format
+    return quant.quantize(value, role=role, fmt=kept, root=root)
+  return value.astype(kept)
+
+
+def _kept_as(like: Any, state_format: str | None, kept_dtype: jnp.dtype | None) -> Any:
+  """How ``state_format`` keeps a moment of a leaf like ``like`` (its param, or its
+  gradient where the param is not given): None for Optax's state (the leaf's own
+  dtypes), a `quant.FORMATS` entry for blockwise codes, else the array's dtype."""
+  if state_format is None or not v.kernel_dtypes(like):
+    return None
   if state_format == "bf16":
-    return value.astype(kept_dtype or jnp.bfloat16)
-  if math.prod(jnp.shape(param)) < quant.MIN_QUANTIZED_SIZE:
-    return value.astype(kept_dtype or jnp.float32)
-  return quant.quantize(value, role=role, fmt=state_format, root=root)
+    return jnp.dtype(kept_dtype or jnp.bfloat16)
+  if math.prod(jnp.shape(like)) < quant.MIN_QUANTIZED_SIZE:
+    return jnp.dtype(kept_dtype or jnp.float32)
+  return state_format
 
 
 def stored_leaf_moments(
@@ -153,7 +165,10 @@ def stored_leaf_moments(
 
 
 def _is_array_leaf(x: Any) -> bool:
-  return x is not None and jax.tree.structure(x).num_leaves == jax.tree.structure(x).num_nodes == 1
+  if x is None:
+    return False
+  treedef = jax.tree.structure(x)
+  return treedef.num_leaves == treedef.num_nodes == 1
 
 
 def _wraps_one_array(x: Any) -> bool:
@@ -195,10 +210,10 @@ def stored_moment_trees(
   columns = [jax.tree.leaves(t, is_leaf=_wraps_one_array) for t in trees]
   per_leaf = [
       [_wrapped_like(node, m) for m in stored_leaf_moments(
-          [_unwrapped(x) for x in values], _unwrapped(node), roles=roles,
-          state_format=state_format, dtypes=[_unwrapped(x).dtype for x in values],
-          kept_dtypes=kept_dtypes)]
-      for node, *values in zip(nodes, *columns, strict=True)
+          values, _unwrapped(node), roles=roles, state_format=state_format,
+          dtypes=[x.dtype for x in values], kept_dtypes=kept_dtypes)]
+      for node, *values in zip(nodes, *([_unwrapped(x) for x in c] for c in columns),
+                               strict=True)
   ]
   by_moment = list(zip(*per_leaf, strict=True)) or [()] * len(trees)
   return [treedef.unflatten(column) for column in by_moment]
@@ -221,24 +236,6 @@ def _storage(m: Any) -> str:
   dtype = jnp.result_type(m)
   made_by = "'bf16'" if dtype == jnp.bfloat16 else "None, Optax's"
   return f"a {dtype} array (state_format={made_by})"
-
-
-def _expected_storage(param: Any, grad: Any, state_format: str | None, role: str,
-                      kept_dtype: jnp.dtype | None) -> tuple[type | None, Any]:
-  """How `stored_moment` keeps a moment of this leaf: ``(blockwise class, format)``,
-  ``(None, dtype)`` for an array of that dtype, or ``(None, None)`` for Optax's
-  state, an array whose dtype follows Optax's promotions (an f16 param's
-  second moment comes out f32). The gradient stands in for a param not given
-  (``param`` None): the formats decide by its shape and whether a kernel
-  takes its dtype. ``kept_dtype``: `stored_moment`'s."""
-  like = grad if param is None else param
-  if state_format is None or not v.kernel_dtypes(like):
-    return None, None
-  if state_format == "bf16":
-    return None, jnp.dtype(kept_dtype or jnp.bfloat16)
-  if math.prod(jnp.shape(like)) < quant.MIN_QUANTIZED_SIZE:
-    return None, jnp.dtype(kept_dtype or jnp.float32)
-  return quant.blockwise_class(role, state_format), state_format
 
 
 def _is_bf16_format(m: Any, param: Any, free_dtype: bool) -> bool:
@@ -282,8 +279,9 @@ def check_moment_storage(
   for (field, tree), role in zip(moments.items(), roles, strict=True):
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]
     for (path, m), (p, g) in zip(leaves, likes, strict=True):
-      kept_dtype = mu_dtype if field in mu_dtype_fields else None
-      cls, want = _expected_storage(p, g, state_format, role, kept_dtype)
+      want = _kept_as(g if p is None else p, state_format,
+                      mu_dtype if field in mu_dtype_fields else None)
+      cls = quant.blockwise_class(role, want) if isinstance(want, str) else None
       if cls is not None:
         # A root is on the same map in "int8" and "fp8": the same state.
         fits = type(m) is cls and quant.codec_of(m) == quant.codec(role, want)
