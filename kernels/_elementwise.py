@@ -215,10 +215,11 @@ def _kernel(
 _TPU_BLOCKWISE_COLS = 2048
 _TPU_BLOCKWISE_ELEMENTS = 1 << 18
 # Triton: elements per block of an elementwise kernel (registers), and the
-# warps that share a block. Quantizing to a dynamic map holds more values per
-# element: at 4 warps ptxas gives a blockwise kernel 255 registers and spills
-# (MARS int8 136-168 B, AdamW int8 on an A100 16 B); at 8 warps it needs 40-190
-# and spills none (the compile tier checks every target).
+# warps that share a block. Quantizing holds more values per element: at 4
+# warps ptxas gave a blockwise kernel 255 registers and spills (MARS int8
+# 136-168 B, AdamW int8 on an A100 16 B, on the dynamic map int8 used until
+# 2026-12-07); at 8 warps it needs 40-190 and spills none (the compile tier
+# checks every target).
 _TRITON_BLOCK_ELEMENTS = 2048
 _TRITON_WARPS = 4
 _TRITON_BLOCKWISE_WARPS = 8

@@ -15,15 +15,14 @@ stores its absolute maximum ``s`` in f32 and each element an 8-bit code of
 
 * `SIGNED`: the moment itself (Lion's, Muon's and Adafactor's momentum,
   RMSProp's mean and trace, MARS's previous gradient): `Int8Blockwise` on the
-  signed dynamic map, `Fp8Blockwise`, or `Int4Blockwise` on the linear
-  4-bit map;
+  e3m4 map, `Fp8Blockwise`, or `Int4Blockwise` on the linear 4-bit map;
 * `ROOT`: a second moment :math:`v` as its square root :math:`w = \sqrt v`,
   on a zero-free root map (`RootBlockwise`: 8 bits for ``"int8"`` and
   ``"fp8"``, 4 bits for ``"int4"``);
 * `RATIO`: a first moment :math:`m` that an update divides by the root of a
   second moment, stored as :math:`r = m / w` with :math:`w` that second
   moment's root (0 where :math:`w = 0`), on the format's signed codes
-  (`RatioBlockwise`); it decodes as :math:`r\,\hat w` with :math:`\hat w` the
+  (`Int8RatioBlockwise`; `RatioBlockwise` for ``"fp8"`` and ``"int4"``); it decodes as :math:`r\,\hat w` with :math:`\hat w` the
   decoded root.
 
 Why (Li, Chen, Zhu, `Memory Efficient Optimizers with 4-bit States
@@ -93,6 +92,8 @@ __all__ = [
     "Int4Blockwise",
     "RootBlockwise",
     "RatioBlockwise",
+    "Int8RatioBlockwise",
+    "DynamicInt8Blockwise",
     "Blockwise",
     "is_blockwise",
     "blockwise_class",
@@ -101,6 +102,7 @@ __all__ = [
     "role_of",
     "codec_of",
     "codec",
+    "is_current",
     "code_dtype",
     "format_of",
     "scales_shape",
@@ -131,29 +133,14 @@ SIGNED, RATIO, ROOT = "signed", "ratio", "root"
 ROLES: tuple[str, ...] = (SIGNED, RATIO, ROOT)
 
 
-class Int8Blockwise(NamedTuple):
-  """A signed moment stored as 8-bit codes with one f32 absmax per block.
-
-  Attributes:
-    codes: uint8, the moment's shape: the rank of each element's map value.
-    scales: f32, the absmax of each block of `BLOCK` elements, shaped by
-      `scales_shape`: for a matrix whose rows hold whole blocks,
-      ``(..., blocks per row, rows)``, the layout a TPU stores without
-      padding, so a kernel reads the scales as they are and they shard like
-      the params' rows.
-  """
-
-  codes: jax.Array
-  scales: jax.Array
-
-
 class Fp8Blockwise(NamedTuple):
   """A signed moment stored as float8 e4m3 values with one f32 absmax per block.
 
   Attributes:
     codes: float8_e4m3fn, the moment's shape: ``448 x / absmax``, rounded
       stochastically (by the steps) or to nearest (even).
-    scales: f32 absmax per block of `BLOCK` elements, as `Int8Blockwise`'s.
+    scales: f32 absmax per block of `BLOCK` elements, shaped by `scales_shape`
+      (as `Int8Blockwise`'s).
   """
 
   codes: jax.Array
@@ -167,7 +154,8 @@ class Int4Blockwise(NamedTuple):
     codes: int4, the moment's shape (two to a byte in memory): ``k`` for
       the linear map's value ``k / 7`` of each element over its block's
       absmax.
-    scales: f32 absmax per block of `BLOCK` elements, as `Int8Blockwise`'s.
+    scales: f32 absmax per block of `BLOCK` elements, shaped by `scales_shape`
+      (as `Int8Blockwise`'s).
   """
 
   codes: jax.Array
@@ -185,7 +173,7 @@ def _read_as_codes_and_scales(cls: type) -> type:
 class RootBlockwise(NamedTuple):
   """A second moment stored as its square root on the zero-free root map.
 
-  The fields' names differ from `Int8Blockwise`'s on purpose: a checkpoint
+  The fields' names differ from the signed classes' on purpose: a checkpoint
   that stored the second moment itself (before 2026-11-26) cannot restore
   into this state unnoticed.
 
@@ -202,12 +190,13 @@ class RootBlockwise(NamedTuple):
 
 @_read_as_codes_and_scales
 class RatioBlockwise(NamedTuple):
-  """A first moment stored as its ratio to its second moment's root.
+  """A first moment stored as its ratio to its second moment's root (``"fp8"``, ``"int4"``).
 
   Attributes:
-    ratio_codes: the moment's shape: uint8 codes on the signed dynamic map
-      (``"int8"``), float8 e4m3 values (``"fp8"``) or int4 codes on the
-      linear 4-bit map (``"int4"``) of ``m / w`` over its block's absmax.
+    ratio_codes: the moment's shape: float8 e4m3 values (``"fp8"``) or int4
+      codes on the linear 4-bit map (``"int4"``) of ``m / w`` over its
+      block's absmax; uint8 codes on the dynamic map in an ``"int8"`` state
+      saved before 2026-12-07 (`Int8RatioBlockwise` since).
     ratio_scales: f32, the absmax of the ratio in each block, shaped by
       `scales_shape`.
   """
@@ -216,8 +205,64 @@ class RatioBlockwise(NamedTuple):
   ratio_scales: jax.Array
 
 
-Blockwise = Int8Blockwise | Fp8Blockwise | Int4Blockwise | RootBlockwise | RatioBlockwise
-_CLASSES = (Int8Blockwise, Fp8Blockwise, Int4Blockwise, RootBlockwise, RatioBlockwise)
+@_read_as_codes_and_scales
+class Int8Blockwise(NamedTuple):
+  """A signed moment stored as 8-bit codes on the e3m4 map, one f32 absmax per block.
+
+  The fields are named for the map: a checkpoint of an ``"int8"`` state saved
+  before 2026-12-07 (uint8 codes on the dynamic map, `DynamicInt8Blockwise`)
+  cannot restore into this state unnoticed.
+
+  Attributes:
+    e3m4_codes: int8, the moment's shape: each element's e3m4 code of ``x /
+      absmax`` (`pallasopt.kernels.codecs`).
+    e3m4_scales: f32, the absmax of each block of `BLOCK` elements, shaped by
+      `scales_shape`: for a matrix whose rows hold whole blocks,
+      ``(..., blocks per row, rows)``, the layout a TPU stores without
+      padding, so a kernel reads the scales as they are and they shard like
+      the params' rows.
+  """
+
+  e3m4_codes: jax.Array
+  e3m4_scales: jax.Array
+
+
+@_read_as_codes_and_scales
+class Int8RatioBlockwise(NamedTuple):
+  """A first moment stored as its ratio to its second moment's root on the e3m4 map (``"int8"``).
+
+  Attributes:
+    e3m4_ratio_codes: int8, the moment's shape: the e3m4 code of ``m / w``
+      over its block's absmax.
+    e3m4_ratio_scales: f32, the absmax of the ratio in each block, shaped by
+      `scales_shape`.
+  """
+
+  e3m4_ratio_codes: jax.Array
+  e3m4_ratio_scales: jax.Array
+
+
+class DynamicInt8Blockwise(NamedTuple):
+  """An ``"int8"`` moment as saved before 2026-12-07: uint8 codes on the dynamic map.
+
+  Read only, to convert (`pallasopt.optim.convert_state`): the signed moments
+  of such states (``Int8Blockwise`` then), and before 2026-11-26 every
+  moment, the second on the unsigned dynamic map. A step refuses it.
+
+  Attributes:
+    codes: uint8, the moment's shape: the rank of each element's map value.
+    scales: f32 absmax per block, shaped by `scales_shape`.
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+
+
+Blockwise = (Int8Blockwise | Fp8Blockwise | Int4Blockwise | RootBlockwise | RatioBlockwise
+             | Int8RatioBlockwise | DynamicInt8Blockwise)
+_CLASSES = (Int8Blockwise, Fp8Blockwise, Int4Blockwise, RootBlockwise, RatioBlockwise,
+            Int8RatioBlockwise, DynamicInt8Blockwise)
+_RATIO_CLASSES = (RatioBlockwise, Int8RatioBlockwise)
 
 
 def is_blockwise(x: object) -> bool:
@@ -241,21 +286,21 @@ def role_of(q: Blockwise) -> str:
   """The role (`SIGNED`, `RATIO` or `ROOT`) a blockwise moment is stored in."""
   if isinstance(q, RootBlockwise):
     return ROOT
-  return RATIO if isinstance(q, RatioBlockwise) else SIGNED
+  return RATIO if isinstance(q, _RATIO_CLASSES) else SIGNED
 
 
 # The map of each format's signed codes (moments and ratios) and roots.
-_SIGNED_CODEC = {"int8": "dynamic", "fp8": "e4m3", "int4": "linear4"}
+_SIGNED_CODEC = {"int8": "e3m4", "fp8": "e4m3", "int4": "linear4"}
 _ROOT_CODEC = {"int8": "root", "fp8": "root", "int4": "root4"}
 # The dtype of each map's codes.
 _CODE_DTYPES = {
-    "dynamic": jnp.uint8, "root": jnp.uint8, "e4m3": jnp.float8_e4m3fn,
+    "e3m4": jnp.int8, "root": jnp.uint8, "e4m3": jnp.float8_e4m3fn,
     "linear4": jnp.int4, "root4": jnp.int4,
 }
 
 
 def codec(role: str, fmt: str) -> str:
-  """The map of a role in a format: ``"dynamic"``, ``"e4m3"``, ``"root"``, ``"linear4"`` or ``"root4"``."""
+  """The map of a role in a format: ``"e3m4"``, ``"e4m3"``, ``"root"``, ``"linear4"`` or ``"root4"``."""
   if role not in ROLES:
     raise ValueError(f"role must be one of {ROLES}; got {role!r}.")
   if fmt not in FORMATS:
@@ -264,7 +309,7 @@ def codec(role: str, fmt: str) -> str:
 
 
 def code_dtype(role: str, fmt: str) -> jnp.dtype:
-  """The dtype of a role's codes in a format: uint8, float8_e4m3fn or int4."""
+  """The dtype of a role's codes in a format: int8, uint8, float8_e4m3fn or int4."""
   return jnp.dtype(_CODE_DTYPES[codec(role, fmt)])
 
 
@@ -277,8 +322,20 @@ def format_of(q: Blockwise) -> str:
 
 
 def codec_of(q: Blockwise) -> str:
-  """The map a blockwise moment's codes are on (see `codec`)."""
+  """The map a blockwise moment's codes are on (see `codec`).
+
+  ``"dynamic"`` for uint8 signed codes: an ``"int8"`` state saved before
+  2026-12-07 (`DynamicInt8Blockwise`, or a `RatioBlockwise` with uint8
+  codes), which only converts.
+  """
+  if role_of(q) != ROOT and jnp.dtype(q.codes.dtype) == jnp.uint8:
+    return "dynamic"
   return codec(role_of(q), format_of(q))
+
+
+def is_current(q: Blockwise) -> bool:
+  """Whether a blockwise moment is in a format the steps write (not one saved before 2026-12-07)."""
+  return codec_of(q) != "dynamic" and type(q) is blockwise_class(role_of(q), format_of(q))
 
 
 def blockwise_class(role: str, fmt: str) -> type:
@@ -286,7 +343,7 @@ def blockwise_class(role: str, fmt: str) -> type:
   if role == ROOT:
     return RootBlockwise
   if role == RATIO:
-    return RatioBlockwise
+    return Int8RatioBlockwise if fmt == "int8" else RatioBlockwise
   return {"int8": Int8Blockwise, "fp8": Fp8Blockwise, "int4": Int4Blockwise}[fmt]
 
 
@@ -534,7 +591,7 @@ def dequantize(q: Blockwise, *, root: jax.Array | None = None) -> jax.Array:
   return from_stored(stored_values(q), role, root)
 
 
-def legacy_second_moment(q: Int8Blockwise | Fp8Blockwise) -> jax.Array:
+def legacy_second_moment(q: DynamicInt8Blockwise | Fp8Blockwise) -> jax.Array:
   """The f32 second moment a blockwise state saved before 2026-11-26 held.
 
   Until then a second moment was stored as itself: on the unsigned dynamic

@@ -36,7 +36,8 @@ rounding, or blockwise codes) and ``param_rounding="stochastic"`` for bfloat16 p
 """
 
 from pallasopt.kernels.quant import (
-    Fp8Blockwise, Int4Blockwise, Int8Blockwise, RatioBlockwise, RootBlockwise,
+    DynamicInt8Blockwise, Fp8Blockwise, Int4Blockwise, Int8Blockwise, Int8RatioBlockwise,
+    RatioBlockwise, RootBlockwise,
 )
 from pallasopt.optim._base import FusedGradientTransformation, FusedUpdate, apply_gradients, fused_update
 from pallasopt.optim.adafactor import ADAFACTOR_STATIC_ARGS, adafactor
@@ -71,6 +72,8 @@ __all__ = [
     "Int4Blockwise",
     "RootBlockwise",
     "RatioBlockwise",
+    "Int8RatioBlockwise",
+    "DynamicInt8Blockwise",
     # Type aliases of the signatures.
     "ScalarOrSchedule",
     "Numeric",

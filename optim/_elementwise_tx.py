@@ -295,18 +295,28 @@ def check_moment_storage(
         fits, expected = jnp.result_type(m) == want, f"a {want} array"
       if fits or (field in any_array and not is_quantized(m)):
         continue
-      legacy = (is_quantized(m) and cls is not None and role != quant.SIGNED
-                and quant.role_of(m) == quant.SIGNED)
       raise ValueError(
           f"{owner}: {field}{jax.tree_util.keystr(path)} is stored as {_storage(m)}, but this "
           f"transform (state_format={state_format!r}) stores it as {expected}; a state of "
           "another format is not stepped in it. Convert the state: "
           f"pallasopt.optim.convert_state(opt_state, params, {state_format!r})."
-          + (" It was saved before 2026-11-26, when a second moment was stored as itself "
-             "(the old map): convert_state reads it, and "
-             "pallasopt.optim.legacy_state_structure is the tree to restore such a "
-             "checkpoint into." if legacy else "")
+          + _saved_before(m, role if cls is not None else None)
       )
+
+
+def _saved_before(m: Any, role: str | None) -> str:
+  """For messages: when a blockwise moment stored in an old way was saved, and how to restore it."""
+  if not is_quantized(m) or role is None:
+    return ""
+  if role != quant.SIGNED and quant.role_of(m) == quant.SIGNED:
+    when, how = "2026-11-26", "a second moment was stored as itself (the old map)"
+  elif not quant.is_current(m):
+    when, how = "2026-12-07", "int8 moments were uint8 codes on the dynamic map"
+  else:
+    return ""
+  return (f" It was saved before {when}, when {how}: convert_state reads it, and "
+          f"pallasopt.optim.legacy_state_structure(..., saved_before={when!r}) is the tree to "
+          "restore such a checkpoint into.")
 
 
 # (count, learning_rate, weight_decay, grad_scale) -> the kernel's scalars.

@@ -68,7 +68,7 @@ def adamw(
   inside Optax's state NamedTuple; smaller leaves keep f32 moments. The
   second moment is stored as its square root on a map without zero
   (`pallasopt.kernels.quant.RootBlockwise`) and the first as its ratio to
-  that root (`pallasopt.kernels.quant.RatioBlockwise`, on a dynamic map),
+  that root (`pallasopt.kernels.quant.Int8RatioBlockwise`, on an 8-bit float),
   both rounded stochastically: a second moment that decodes to zero would
   divide a nonzero first moment by ``eps`` (Li et al., `Memory Efficient
   Optimizers with 4-bit States <https://arxiv.org/abs/2309.01507>`_, 2023),

@@ -109,9 +109,10 @@ def convert_state(
       ``muon``, ``mars`` or ``rmsprop`` (any ``state_format``) or of
       ``optax.adamw`` / ``nadamw`` / ``lion`` / ``rmsprop`` /
       ``contrib.muon``, possibly wrapped. A low-bit state saved by pallasopt
-      before 2026-11-26, which stored second moments (and the first moments
-      divided by them) as themselves, converts too: restore it with
-      `legacy_state_structure` as the target. Where its second moment
+      before 2026-12-07 (``"int8"`` on the dynamic map) or before 2026-11-26
+      (second moments, and the first moments divided by them, stored as
+      themselves) converts too: restore it with `legacy_state_structure` as
+      the target. Where its second moment
       decoded to zero the converted first moment is zero too (the step that
       state would take there divides by ``eps``).
     params: the params the state belongs to (arrays or
@@ -166,7 +167,7 @@ def convert_state(
         return moments
       moments = [current(m) for m in moments]
       stored_so = lambda m, r: is_quantized(m) and quant.role_of(m) == r and (
-          quant.codec_of(m) == quant.codec(r, state_format))
+          quant.is_current(m) and quant.codec_of(m) == quant.codec(r, state_format))
       if state_format in quant.FORMATS and all(map(stored_so, moments, roles)):
         return tuple(moments)  # already stored so: kept code for code
       values = _leaf_values(moments, roles)
@@ -189,41 +190,67 @@ def convert_state(
   )
 
 
-# The blockwise formats a state saved before 2026-11-26 may hold.
-_LEGACY_FORMATS = ("int8", "fp8")
+# The dates the blockwise storage changed, and the formats each change touched.
+_LEGACY_FORMATS = {"2026-11-26": ("int8", "fp8"), "2026-12-07": ("int8",)}
 
 
-def legacy_state_structure(opt_state: optax.OptState, state_format: str) -> optax.OptState:
-  """The tree of a ``state_format`` state like ``opt_state`` as saved before 2026-11-26.
+def legacy_state_structure(
+    opt_state: optax.OptState, state_format: str, *, saved_before: str = "2026-11-26"
+) -> optax.OptState:
+  """The tree of a ``state_format`` state like ``opt_state`` as saved before a storage change.
 
-  Then every blockwise moment was an `Int8Blockwise` (``"int8"``) or
-  `Fp8Blockwise` (``"fp8"``) with fields ``codes`` and ``scales``; now
-  second moments are `quant.RootBlockwise` and the first moments divided by
-  them `quant.RatioBlockwise`, whose fields are named apart so that an old
-  checkpoint does not restore into them unnoticed (orbax names the missing
-  path). Restore an old checkpoint with this tree as the target
-  (``opt_state`` may hold ``jax.ShapeDtypeStruct``s, e.g.
-  ``jax.eval_shape(tx.init, params)``), then `convert_state` it::
+  Restore an old checkpoint with this tree as the target (``opt_state`` may
+  hold ``jax.ShapeDtypeStruct``s, e.g. ``jax.eval_shape(tx.init, params)``),
+  then `convert_state` it::
 
-    target = pallasopt.optim.legacy_state_structure(jax.eval_shape(tx.init, params), "int8")
+    target = pallasopt.optim.legacy_state_structure(
+        jax.eval_shape(tx.init, params), "int8", saved_before="2026-12-07")
     old = checkpointer.restore(path, target)
     opt_state = pallasopt.optim.convert_state(old, params, "int8")
+
+  The changes (each renamed the fields it touched, so that an old checkpoint
+  does not restore into a new state unnoticed: orbax names the missing path,
+  where it would cast codes of another map silently):
+
+  * ``saved_before="2026-12-07"`` (``"int8"``): signed moments and ratios were
+    uint8 codes on the dynamic map (`quant.DynamicInt8Blockwise`, and
+    `quant.RatioBlockwise` with uint8 codes), now int8 codes on the e3m4 map;
+  * ``saved_before="2026-11-26"`` (``"int8"``, ``"fp8"``): every blockwise
+    moment was stored as itself with fields ``codes`` and ``scales``
+    (`quant.DynamicInt8Blockwise`, `quant.Fp8Blockwise`), the second moment
+    on the unsigned dynamic map; now second moments are
+    `quant.RootBlockwise` and the first moments divided by them ratios.
   """
-  if state_format not in _LEGACY_FORMATS:
+  formats = _LEGACY_FORMATS.get(saved_before)
+  if formats is None:
     raise ValueError(
-        f"legacy_state_structure: state_format must be one of {_LEGACY_FORMATS} (the blockwise "
-        f"formats of states saved before 2026-11-26); got {state_format!r}."
+        f"legacy_state_structure: saved_before must be one of {tuple(_LEGACY_FORMATS)} (the "
+        f"dates the blockwise storage changed); got {saved_before!r}."
     )
-  cls = quant.Fp8Blockwise if state_format == "fp8" else quant.Int8Blockwise
-  dtype = jnp.float8_e4m3fn if state_format == "fp8" else jnp.uint8
+  if state_format not in formats:
+    raise ValueError(
+        f"legacy_state_structure: state_format must be one of {formats} (the blockwise "
+        f"formats of states saved before {saved_before}); got {state_format!r}."
+    )
+  fp8 = state_format == "fp8"
+
+  def codes_like(node):
+    codes = node.codes
+    return jax.ShapeDtypeStruct(codes.shape, jnp.float8_e4m3fn if fp8 else jnp.uint8,
+                                sharding=getattr(codes, "sharding", None))
 
   def legacy(node):
-    if not is_quantized(node) or quant.role_of(node) == quant.SIGNED:
+    if not is_quantized(node):
       return node
-    codes = node.codes
-    return cls(
-        jax.ShapeDtypeStruct(codes.shape, dtype, sharding=getattr(codes, "sharding", None)),
-        node.scales,
-    )
+    role = quant.role_of(node)
+    if saved_before == "2026-12-07":
+      if role == quant.ROOT:
+        return node
+      cls = quant.RatioBlockwise if role == quant.RATIO else quant.DynamicInt8Blockwise
+      return cls(codes_like(node), node.scales)
+    if fp8 and role == quant.SIGNED:
+      return node
+    return (quant.Fp8Blockwise if fp8 else quant.DynamicInt8Blockwise)(
+        codes_like(node), node.scales)
 
   return jax.tree.map(legacy, opt_state, is_leaf=is_quantized)

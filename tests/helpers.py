@@ -110,9 +110,9 @@ def assert_trees_close(got, want, rtol=2e-6):
 
 
 def _code_ordinals(codes) -> np.ndarray:
-  """Codes as their ranks: uint8 and int4 codes as they are (both maps are monotone in
-  the code), float8 codes by their bits (sign-magnitude)."""
-  if codes.dtype in (jnp.uint8, jnp.int4):
+  """Codes as their ranks: int8, uint8 and int4 codes as they are (their maps are
+  monotone in the code), float8 codes by their bits (sign-magnitude)."""
+  if codes.dtype in (jnp.int8, jnp.uint8, jnp.int4):
     return np.asarray(codes.astype(jnp.int32))
   bits = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.uint8), np.int32)
   return np.where(bits & 0x80, -(bits & 0x7F), bits)

@@ -183,12 +183,26 @@ def test_a_state_of_another_format_is_a_clear_error(family, saved, loaded):
     step()
 
 
-def test_a_state_saved_with_the_old_map_names_it():
+def test_a_state_saved_with_an_old_map_names_it():
   tx = pallasopt.optim.adamw(1e-3, state_format="int8")
-  old = pallasopt.optim.legacy_state_structure(jax.eval_shape(tx.init, _TREE), "int8")
-  with pytest.raises(ValueError, match=r"Int8Blockwise.*RatioBlockwise.*the old map.*"
-                                       r"legacy_state_structure"):
+  abstract = jax.eval_shape(tx.init, _TREE)
+  old = pallasopt.optim.legacy_state_structure(abstract, "int8")
+  with pytest.raises(ValueError, match=r"DynamicInt8Blockwise.*Int8RatioBlockwise.*the old map.*"
+                                       r"legacy_state_structure\(\.\.\., saved_before='2026-11-26'\)"):
     jax.eval_shape(tx.update, _TREE, old, _TREE)
+  dynamic = pallasopt.optim.legacy_state_structure(abstract, "int8", saved_before="2026-12-07")
+  with pytest.raises(ValueError, match=r"RatioBlockwise.*Int8RatioBlockwise.*before 2026-12-07.*"
+                                       r"dynamic map.*saved_before='2026-12-07'"):
+    jax.eval_shape(tx.update, _TREE, dynamic, _TREE)
+  lion = pallasopt.optim.lion(1e-3, state_format="int8")
+  dynamic = pallasopt.optim.legacy_state_structure(
+      jax.eval_shape(lion.init, _TREE), "int8", saved_before="2026-12-07")
+  with pytest.raises(ValueError, match=r"DynamicInt8Blockwise.*before 2026-12-07"):
+    jax.eval_shape(lion.update, _TREE, dynamic, _TREE)
+  with pytest.raises(ValueError, match=r"saved_before must be one of"):
+    pallasopt.optim.legacy_state_structure(abstract, "int8", saved_before="2026-12-01")
+  with pytest.raises(ValueError, match=r"state_format must be one of \('int8',\)"):
+    pallasopt.optim.legacy_state_structure(abstract, "fp8", saved_before="2026-12-07")
 
 
 def test_optax_states_in_their_dtypes_still_step():

@@ -31,7 +31,10 @@ from helpers import (
     tolerance,
 )
 from pallasopt.kernels import _elementwise, adamw as adamw_k, codecs, lion as lion_k, quant, rounding
-from pallasopt.optim import Fp8Blockwise, Int8Blockwise, RatioBlockwise, RootBlockwise
+from pallasopt.optim import (
+    DynamicInt8Blockwise, Fp8Blockwise, Int8Blockwise, Int8RatioBlockwise, RatioBlockwise,
+    RootBlockwise,
+)
 from pallasopt.pipeline.sharding import optimizer_state_specs
 
 # Leaves that exercise the 8-bit kernel's tiling: one block, whole rows of
@@ -40,16 +43,13 @@ from pallasopt.pipeline.sharding import optimizer_state_specs
 # dispatch runs the reference there).
 # The f32 unit roundoff: one rounding moves a value v by at most U |v|.
 _U = 2.0**-24
-# The map's largest half gap, as a fraction of the block absmax A: half a
-# step of decade 0 (0.9 / 128), also the distance from the signed map's
-# lowest value to -1 (the map has no -1, so a block whose absmax element is
-# negative stores it there).
-_HALF_GAP = 1 + float(codecs.map_values(True)[0])
+# The e3m4 map's largest half gap, as a fraction of the block absmax A: half
+# a step of its top binade, 2^-4 / (2 T) with T = 31/16.
+_HALF_GAP = float(np.diff(codecs.e3m4_map_values()).max()) / 2
 # Rounding inside encode and decode, in roundings of at most U A each: the
-# normalisation x / A (1), the map values, computed in f32 from the code by
-# four ops (4: encode compares against the same values decode returns), the
-# two differences encode compares to pick the nearer (2), the product by A (1).
-_CODEC_ROUNDINGS = 8
+# normalisation x / A (1) and the product T x (1) before the code is cut
+# from its bits; decode's 1/T (1), the product by it (1) and by A (1).
+_CODEC_ROUNDINGS = 5
 
 
 # The root map: neighbouring values at most 2^-4 apart relative to the smaller
@@ -68,7 +68,7 @@ def _pair_error(got_m, got_v, m, v):
   """Per element, whether stored (m, v) decode within the bounds of a ratio and a root.
 
   The root ``w' `` of ``v`` is within `_root_bound` of ``w = sqrt(v)``; the
-  ratio ``r' `` within one gap of the dynamic map (twice `_HALF_GAP`, times
+  ratio ``r' `` within one gap of the e3m4 map (twice `_HALF_GAP`, times
   the block's absmax of ``r = m / w``) of ``r``, so ``|r' w' - m| <= |r' -
   r| w' + |r| |w' - w|``. Both moments carry f32 roundings of a few ulps.
   """
@@ -244,9 +244,8 @@ def _abstract_moments(shape, fmt):
   """Abstract Lion momentum and AdamW (m, v) of ``fmt`` for a leaf of ``shape``."""
   scales = sds(quant.scales_shape(shape))
   codes = lambda role: sds(shape, quant.code_dtype(role, fmt))
-  signed = (Fp8Blockwise if fmt == "fp8" else Int8Blockwise)(codes(quant.SIGNED), scales)
-  return signed, (RatioBlockwise(codes(quant.RATIO), scales),
-                  RootBlockwise(codes(quant.ROOT), scales))
+  moment = lambda role: quant.blockwise_class(role, fmt)(codes(role), scales)
+  return moment(quant.SIGNED), (moment(quant.RATIO), moment(quant.ROOT))
 
 
 def test_auto_runs_the_triton_kernel_for_8_bit_moments_on_cuda():
@@ -296,10 +295,11 @@ def test_state_layout_and_bytes_per_param(make):
   moments = make(1e-3, state_format="int8").init(params)[0][1:]
   # AdamW: the first moment as its ratio to the second's root, the second as
   # its root; Lion: its momentum as itself.
-  kinds = (RatioBlockwise, RootBlockwise) if len(moments) == 2 else (Int8Blockwise,)
+  kinds = (Int8RatioBlockwise, RootBlockwise) if len(moments) == 2 else (Int8Blockwise,)
   for moment, kind in zip(moments, kinds, strict=True):
     assert isinstance(moment["w"], kind) and isinstance(moment["e"], kind)
-    assert moment["w"].codes.dtype == jnp.uint8 and moment["w"].scales.shape == (1, 48)
+    code_dtype = jnp.uint8 if kind is RootBlockwise else jnp.int8
+    assert moment["w"].codes.dtype == code_dtype and moment["w"].scales.shape == (1, 48)
     assert moment["b"].dtype == jnp.float32 and moment["h"].dtype == jnp.float16
   big = {k: params[k] for k in ("w", "e")}
   per_param = _state_bytes(make(1e-3, state_format="int8").init(big)[0][1:]) / sum(
@@ -535,15 +535,16 @@ def test_sharding_specs_and_a_sharded_step(fmt):
   shapes = jax.eval_shape(tx.init, params)
   state_specs = optimizer_state_specs(shapes, params, specs, mesh=mesh)
   mu, nu = state_specs[0].mu, state_specs[0].nu
-  assert mu["w"] == RatioBlockwise(P("data"), P(None, "data"))  # scales (1, 64)
+  ratio = quant.blockwise_class(quant.RATIO, fmt)
+  assert mu["w"] == ratio(P("data"), P(None, "data"))  # scales (1, 64)
   assert nu["w"] == RootBlockwise(P("data"), P(None, "data"))
-  assert mu["v"] == RatioBlockwise(P(None, "data"), P())  # scales (8, 48)
+  assert mu["v"] == ratio(P(None, "data"), P())  # scales (8, 48)
   assert mu["b"] == P()
   # Scales (4, 64): each shard of 256 columns holds one block per row.
-  assert mu["c"] == RatioBlockwise(P(None, "data"), P("data"))
+  assert mu["c"] == ratio(P(None, "data"), P("data"))
   # Without a mesh no one knows whether a shard holds whole blocks.
   unknown = optimizer_state_specs(shapes, params, specs)[0].mu["c"]
-  assert unknown == RatioBlockwise(P(None, "data"), P())
+  assert unknown == ratio(P(None, "data"), P())
   with jax.set_mesh(mesh):
     assert optimizer_state_specs(shapes, params, specs)[0].mu["c"] == mu["c"]
   shard = lambda tree, spec: jax.tree.map(
@@ -731,15 +732,62 @@ def _saved_before_2026_11_26(state, params):
   Each moment an `Int8Blockwise`, the second on the unsigned dynamic map,
   which decodes its small entries to zero (a (48, 256) leaf: a block a row).
   """
-  def old(x, signed):
-    absmax = np.abs(np.asarray(x)).max(axis=1, keepdims=True)
-    codes = codecs.encode(jnp.asarray(np.asarray(x) / absmax), signed)
-    return Int8Blockwise(codes.astype(jnp.uint8), jnp.asarray(absmax.T))
-
   adam = state[0]
-  mu = {**adam.mu, "w": old(adam.mu["w"], True)}
-  nu = {**adam.nu, "w": old(adam.nu["w"], False)}
+  mu = {**adam.mu, "w": _on_the_dynamic_map(adam.mu["w"], True)}
+  nu = {**adam.nu, "w": _on_the_dynamic_map(adam.nu["w"], False)}
   return (adam._replace(mu=mu, nu=nu), *state[1:])
+
+
+def _on_the_dynamic_map(x, signed, cls=DynamicInt8Blockwise):
+  """A (48, 256) moment on the dynamic map (a block a row), codes to nearest, as ``cls``."""
+  absmax = np.abs(np.asarray(x)).max(axis=1, keepdims=True)
+  codes = codecs.encode(jnp.asarray(np.asarray(x) / absmax), signed)
+  return cls(codes.astype(jnp.uint8), jnp.asarray(absmax.T))
+
+
+def _saved_before_2026_12_07(state, params):
+  """An int8 AdamW state as pallasopt stored it before 2026-12-07: the root on the
+  root map (as now), the ratio as uint8 codes on the signed dynamic map."""
+  adam = state[0]
+  root = jnp.sqrt(adam.nu["w"])
+  ratio = quant.to_stored(adam.mu["w"], quant.RATIO, root)
+  mu = {**adam.mu, "w": _on_the_dynamic_map(ratio, True, RatioBlockwise)}
+  nu = {**adam.nu, "w": quant.quantize(adam.nu["w"], role=quant.ROOT)}
+  return (adam._replace(mu=mu, nu=nu), *state[1:])
+
+
+def test_an_int8_state_saved_on_the_dynamic_map_converts_or_fails_clearly(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params = {"w": _params()["w"], "b": _params()["b"]}
+  ref = optax.adamw(1e-2)
+  f32 = ref.init(params)
+  for step in range(2):
+    _, f32 = ref.update(_grads(params, step), f32, params)
+  old = _saved_before_2026_12_07(f32, params)
+  tx = pallasopt.optim.adamw(1e-2, state_format="int8")
+  with pytest.raises(ValueError, match=r"RatioBlockwise.*before 2026-12-07.*convert_state"):
+    tx.update(_grads(params, 2), old, params)
+  # Saved, it restores only into its own tree: into today's, orbax would cast
+  # its uint8 codes to int8 silently; the renamed field is missing instead.
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "old", old)
+  checkpointer.wait_until_finished()
+  abstract = jax.eval_shape(tx.init, params)
+  with pytest.raises(ValueError, match="e3m4_ratio_codes"):
+    checkpointer.restore(tmp_path / "old", abstract)
+  restored = checkpointer.restore(tmp_path / "old", pallasopt.optim.legacy_state_structure(
+      abstract, "int8", saved_before="2026-12-07"))
+  _assert_same(restored, old, "restored")
+  converted = pallasopt.optim.convert_state(restored, params, "int8")
+  assert jax.tree.structure(converted) == jax.tree.structure(abstract)
+  np.testing.assert_array_equal(converted[0].nu["w"].codes, old[0].nu["w"].codes)  # kept
+  # The first moment the old codes held, re-encoded to nearest on the e3m4 map.
+  root = quant.stored_values(old[0].nu["w"])
+  want_m = np.asarray(quant.dequantize(old[0].mu["w"], root=root), np.float64)
+  back = pallasopt.optim.convert_state(converted, params, None)[0]
+  want_v = np.asarray(back.nu["w"], np.float64)  # the root, decoded as it was
+  assert _pair_error(np.asarray(back.mu["w"]), want_v, want_m, want_v).all()
+  jax.jit(tx.update)(_grads(params, 2), converted, params)
 
 
 def test_a_state_saved_on_the_old_second_moment_map_converts_or_fails_clearly(tmp_path):

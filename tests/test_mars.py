@@ -22,7 +22,7 @@ from helpers import assert_close, assert_nearly_same_codes, assert_trees_close, 
 from kernel_contract import KernelContract
 from pallasopt.kernels import mars as mars_k
 from pallasopt.kernels import quant
-from pallasopt.optim import Int8Blockwise, RatioBlockwise, RootBlockwise
+from pallasopt.optim import Int8Blockwise, Int8RatioBlockwise, RootBlockwise
 from pallasopt.optim.mars import ScaleByMarsState, mars, scale_by_mars
 
 _RECORDED = json.loads((pathlib.Path(__file__).parent / "data" / "eformer_mars.json").read_text())
@@ -115,7 +115,7 @@ def test_low_bit_state(fmt):
   state = states["xla"][0]
   assert isinstance(state, ScaleByMarsState)
   # mu as its ratio to nu's root, nu as its root, the previous gradient as itself.
-  kinds = (RatioBlockwise, RootBlockwise, Int8Blockwise)
+  kinds = (Int8RatioBlockwise, RootBlockwise, Int8Blockwise)
   for tree, kind in zip((state.mu, state.nu, state.mog), kinds):
     if fmt == "int8":
       assert isinstance(tree["w"], kind) and tree["b"].dtype == jnp.float32

@@ -71,6 +71,51 @@ def test_encode_picks_the_nearest_map_value(signed):
   np.testing.assert_array_equal(np.asarray(_encode(jnp.asarray(table), signed)), np.arange(256))
 
 
+def _e3m4_by_construction() -> np.ndarray:
+  """The e3m4 map built independently, in float64: 0; 2^-6 f/16 (f = 1..15) and
+  2^(e-7) (1 + f/16) (e = 1..7, f = 0..15), over T = 31/16; both signs."""
+  magnitudes = [2.0**-6 * f / 16 for f in range(1, 16)]
+  magnitudes += [2.0 ** (e - 7) * (1 + f / 16) for e in range(1, 8) for f in range(16)]
+  positive = np.asarray(magnitudes) / (31 / 16)
+  return np.concatenate([-positive[::-1], [0.0], positive])
+
+
+def test_map_is_the_e3m4_map():
+  got = codecs.e3m4_map_values()
+  want = _e3m4_by_construction()
+  assert got.shape == want.shape == (255,)
+  assert np.all(np.diff(got) > 0)  # codes are ranks: strictly ascending
+  # Decode builds the value's f32 bits exactly; 1/T rounds once, the product once.
+  np.testing.assert_allclose(got, want, rtol=2 * 2**-24, atol=0)
+  assert got[-1] == 1.0 and got[0] == -1.0 and got[127] == 0.0
+  # 4 mantissa bits: normal neighbours at most 2^-4 apart relative to the smaller.
+  normal = got[127 + 16:]
+  assert np.max(normal[1:] / normal[:-1]) <= 1 + 2**-4 + 2**-22
+
+
+def test_e3m4_encode_picks_the_nearest_map_value():
+  table = codecs.e3m4_map_values().astype(np.float64)
+  rng = np.random.default_rng(0)
+  x = np.concatenate([
+      rng.uniform(-1, 1, 255 * 200), np.logspace(-12, 0, 255 * 10) * rng.choice([-1, 1], 2550),
+      np.zeros(255), np.resize(np.concatenate([table, (table[1:] + table[:-1]) / 2]), 255 * 4),
+  ]).astype(np.float32)
+  x = x[: x.size // 255 * 255]
+  encoded = jax.jit(lambda rows: codecs.encode_rows(rows, "e3m4", saturate_outliers=False))
+  codes, absmax = encoded(_rows(x))
+  codes = np.asarray(codes)[:, 1:].ravel()
+  assert np.all(np.asarray(absmax) == 1) and np.all(codes == np.round(codes))
+  assert codes.min() >= -127 and codes.max() <= 127
+  got = table[codes.astype(int) + 127]
+  # The encoder rounds T |x| in f32 first (2^-24 of x): at a midpoint between
+  # two values that may pick the farther one, by that much.
+  np.testing.assert_array_less(np.abs(got - x), _nearest_error(x, table) + 2**-23 * np.abs(x)
+                               + 1e-12)
+  # Map values encode to themselves.
+  codes, _ = encoded(_rows(np.resize(table.astype(np.float32), 255 * 2)))
+  np.testing.assert_array_equal(np.asarray(codes)[:, 1:].ravel(), np.resize(np.arange(-127, 128), 510))
+
+
 def _block_absmax(x: np.ndarray) -> np.ndarray:
   """The absmax of each block of `quant.BLOCK` elements of ``x``, row-major, zero-padded."""
   flat = np.pad(x.ravel(), (0, -x.size % quant.BLOCK)).reshape(-1, quant.BLOCK)
@@ -85,11 +130,11 @@ def _block_absmax(x: np.ndarray) -> np.ndarray:
 def test_blockwise_error_is_within_the_map_bound(shape, seed, log_scale):
   # Each element is off by at most half the map gap around x / absmax,
   # times its block's absmax (plus f32 rounding of the product).
-  signed = True
   rng = np.random.default_rng(seed)
   x = rng.standard_normal(shape).astype(np.float32) * np.float32(10.0**log_scale)
   q = quant.quantize(jnp.asarray(x))
-  assert q.codes.shape == shape and q.codes.dtype == jnp.uint8
+  assert isinstance(q, quant.Int8Blockwise)
+  assert q.codes.shape == shape and q.codes.dtype == jnp.int8
   assert q.scales.shape == quant.scales_shape(shape) and q.scales.dtype == jnp.float32
   absmax = _block_absmax(x)
   scales = np.asarray(q.scales)
@@ -97,9 +142,10 @@ def test_blockwise_error_is_within_the_map_bound(shape, seed, log_scale):
     scales = np.swapaxes(scales, -1, -2)
   np.testing.assert_array_equal(scales.ravel(), absmax)
   block_absmax = np.repeat(absmax, quant.BLOCK)[: x.size]
-  table = codecs.map_values(signed)
+  table = codecs.e3m4_map_values()
   normalised = np.where(block_absmax > 0, x.ravel() / np.where(block_absmax > 0, block_absmax, 1), 0)
-  bound = _nearest_error(normalised, table) * block_absmax + 2**-23 * block_absmax
+  # f32 rounding: x / absmax, T x, 1/T and the product by it, the product by absmax.
+  bound = _nearest_error(normalised, table) * block_absmax + 5 * 2**-24 * block_absmax
   err = np.abs(np.asarray(quant.dequantize(q)).ravel() - x.ravel())
   np.testing.assert_array_less(err, bound + 1e-30)
 
@@ -121,11 +167,11 @@ def test_scales_saved_in_the_old_layout_convert_or_fail_clearly():
   # caller can say which layout it holds.
   old = quant.Int8Blockwise(q.codes, jnp.swapaxes(q.scales, -1, -2))
   np.testing.assert_array_equal(quant.from_row_major_scales(old).scales, q.scales)
-  wide = quant.Int8Blockwise(jnp.zeros((8, 1024), jnp.uint8), jnp.zeros((8, 4)))
+  wide = quant.Int8Blockwise(jnp.zeros((8, 1024), jnp.int8), jnp.zeros((8, 4)))
   with pytest.raises(ValueError, match=r"\(8, 4\) do not fit codes of shape \(8, 1024\).*legacy_scales=True"):
     quant.dequantize(wide)
   with pytest.raises(ValueError, match=r"expected \(4,\)"):
-    quant.from_row_major_scales(quant.Int8Blockwise(jnp.zeros((1024,), jnp.uint8), jnp.zeros((5,))))
+    quant.from_row_major_scales(quant.Int8Blockwise(jnp.zeros((1024,), jnp.int8), jnp.zeros((5,))))
 
 
 def test_a_zero_block_has_scale_zero_and_decodes_to_zero():
@@ -206,6 +252,10 @@ def test_random_bits_are_reproducible_and_separate_streams():
   # n = 2^14 fair bits have standard deviation 0.5 / sqrt(n); allow 6 of them.
   bits = (np.asarray(a)[:, None] >> np.arange(16)) & 1
   assert np.all(np.abs(bits.mean(axis=0) - 0.5) < 6 * 0.5 / math.sqrt(index.size))
+  # And independent of the other streams' bits: each pair differs half the time.
+  for b in others:
+    differ = ((np.asarray(a) ^ np.asarray(b))[:, None] >> np.arange(16)) & 1
+    assert np.all(np.abs(differ.mean(axis=0) - 0.5) < 6 * 0.5 / math.sqrt(index.size))
 
 
 def test_split_key_round_trips():
@@ -340,7 +390,7 @@ def test_root_encode_picks_the_nearest_value_and_floors_at_the_least(name):
 
 
 @pytest.mark.parametrize("codec,values", [
-    ("dynamic", [0.5 + 1 / 300, -3.1e-3, 2e-7, -0.99]),
+    ("e3m4", [0.5 + 1 / 300, -3.1e-3, 2e-4, -0.99]),
     ("e4m3", [0.5 + 1 / 300, -3.1e-3, 7e-6, 0.9]),
     ("root", [0.5 + 1 / 300, 3.1e-3, 4e-5, 0.97]),
     ("linear4", [0.5 + 1 / 300, -3.1e-2, 0.2, -0.99]),
@@ -408,15 +458,16 @@ def test_a_ratio_decodes_with_its_roots(seed, log_scale, fmt):
   w = jnp.sqrt(jnp.asarray(v))
   root = quant.quantize(jnp.asarray(v), role=quant.ROOT, fmt=fmt)
   ratio = quant.quantize(jnp.asarray(m), role=quant.RATIO, fmt=fmt, root=w)
-  assert isinstance(ratio, quant.RatioBlockwise)
-  assert ratio.ratio_codes.dtype == (jnp.float8_e4m3fn if fmt == "fp8" else jnp.uint8)
+  assert isinstance(ratio, quant.RatioBlockwise if fmt == "fp8" else quant.Int8RatioBlockwise)
+  assert ratio.codes.dtype == (jnp.float8_e4m3fn if fmt == "fp8" else jnp.int8)
   w_dec = np.asarray(quant.stored_values(root), np.float64)
   got = np.asarray(quant.dequantize(ratio, root=jnp.asarray(w_dec, jnp.float32)), np.float64)
   r = m / np.asarray(w)
   r_dec = np.asarray(quant.stored_values(ratio), np.float64)
   r_absmax = np.abs(r).reshape(3, 2, 256).max(-1).repeat(256).reshape(shape)
-  half_gap = (1 + float(codecs.map_values(True)[0])) * r_absmax if fmt == "int8" else np.maximum(
-      2**-4 * np.abs(r), 2**-10 * r_absmax / 448)
+  # e3m4: half a step, 2^-5 of the value (normal) or 2^-11 / T of the absmax (subnormal).
+  half_gap = np.maximum(2**-5 * np.abs(r), 2**-11 * 16 / 31 * r_absmax) if fmt == "int8" else (
+      np.maximum(2**-4 * np.abs(r), 2**-10 * r_absmax / 448))
   assert np.all(np.abs(r_dec - r) <= half_gap + 2**-21 * r_absmax)
   bound = np.abs(r_dec - r) * w_dec + np.abs(r) * np.abs(w_dec - np.asarray(w)) + 2**-21 * np.abs(m)
   np.testing.assert_array_less(np.abs(got - m), bound + 1e-30)
@@ -427,7 +478,7 @@ def test_a_ratio_decodes_with_its_roots(seed, log_scale, fmt):
 def test_legacy_second_moment_reads_the_old_maps():
   codes = jnp.arange(256, dtype=jnp.uint8)
   scales = jnp.asarray([2.0], jnp.float32)
-  got = quant.legacy_second_moment(quant.Int8Blockwise(codes, scales))
+  got = quant.legacy_second_moment(quant.DynamicInt8Blockwise(codes, scales))
   # (Eager and jitted decodes round the map values apart, see the map test.)
   np.testing.assert_allclose(got, codecs.map_values(False) * np.float32(2.0), rtol=60 * 2**-24)
   assert float(got[0]) == 0.0  # the zero code the root map no longer has
