@@ -497,3 +497,25 @@ def test_overlapping_timing_ranges_read_as_no_difference(ours, same, monkeypatch
   plot.plot(rows, tmp_path / "same.png")
   (ax,) = drawn[0].axes
   assert [p.get_width() for p in ax.patches] == [1.0 if same else 2.0]
+
+
+_BUNDLES = """\
+ 0x0   : { %s1 = smov 0 }
+ 0x1   : > { %v1 = vld [vmem:[%s1]] }
+ 0x2   : >> { %v2 = vmul.f32 %v1, %v1 }
+ 0x3   : >> { %p1 = scmp.ge.s32.totalorder %s2_s3, 8 /* loop exit test */ }
+ 0x4   : > { %v3 = vadd.f32 %v2, %v2 }
+ 0x5   : >> { %v4 = vmul.f32 %v3, %v3 }
+ 0x6   : > { %p2 = scmp.ge.s32.totalorder %s4_s5, 66 /* loop exit test */ }
+ 0x7   : { %s6 = smov 1 }
+"""
+
+
+def test_schedule_counts_each_bundle_once_per_trip_of_its_loops():
+  from bench.schedule import program_cycles
+
+  # Two bundles outside any loop; three in the grid loop (66 trips), one of
+  # them scheduled inside the inner loop's span; three in the inner loop (8
+  # trips a grid step), one past its exit test.
+  assert program_cycles(_BUNDLES) == 2 + 3 * 66 + 3 * 66 * 8
+  assert program_cycles("no bundles here") == 0
