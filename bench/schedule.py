@@ -1,4 +1,4 @@
-"""``python -m bench.schedule``: the compute side of an optimizer step's time on a TPU, from its bundles.
+"""``python -m bench.schedule``: the compute side of an optimizer step's time, read from its compiled code.
 
 Bytes are a floor, not a time (DESIGN.md §11). A TPU core issues one VLIW
 bundle per cycle and its pipelines overlap DMA with compute, so a step takes
@@ -25,6 +25,15 @@ v6e 1638 GB/s, `pallasopt.chips`); a clock is the datasheet's peak bf16
 flops over the MXUs' multiply-adds a cycle (v5e: four 128 x 128 MXUs, 1.5 GHz;
 v6e: four 256 x 256, 1.75 GHz).
 
+A GPU (``--target h100``): XLA's dump of the compiled step holds each
+kernel's PTX and its launch (grid, threads); ptxas (the ``aot`` extra's) makes
+the cubin and nvdisasm (the ``nvidia-cuda-nvdisasm`` wheel, also in ``aot``)
+its SASS. The elementwise kernels are straight-line, so a thread runs each
+instruction once: the step issues ``SASS x programs x warps per program``
+warp instructions, at `ISSUE_RATES`'s rate (fitted on the H100 records,
+recalibrated whenever a GPU is lent), against its HBM bytes at the copy
+ceiling.
+
 Each case compiles in a process of its own: libtpu reads its flags once.
 """
 
@@ -41,7 +50,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-__all__ = ["CLOCKS", "OPTIMIZERS", "CASES", "OPTAX", "SHAPE", "program_cycles", "measure", "main"]
+__all__ = ["CLOCKS", "ISSUE_RATES", "OPTIMIZERS", "CASES", "OPTAX", "SHAPE", "program_cycles", "measure", "main"]
 
 # target: (clock in Hz, HBM bytes per second, where the clock comes from).
 CLOCKS = {
@@ -49,6 +58,13 @@ CLOCKS = {
     "v6e": (1.75e9, 1638e9, "918 TFLOP/s / (4 MXUs x 256 x 256 x 2 flops), datasheet peak; "
             "Google gives Trillium 256 x 256 MXUs and 4.7x v5e's peak (4x from the MXUs, "
             "1.17x from the clock); the MXU count is inferred from those"),
+}
+# target: (warp instructions per second, HBM bytes per second, where they come from).
+ISSUE_RATES = {
+    "h100": (6.6e11, 3.0e12, "fitted on the int8 AdamW time of the H100 records "
+             "(bench/results/nvidia-h100-80gb-hbm3, jax 0.11.2): 63% of 132 SMs x 4 schedulers x "
+             "1.98 GHz; 3.0 TB/s is the copy ceiling Optax's AdamW reached there (97%); the model "
+             "reproduced the six measured fused AdamW times within -10%..+7% (DESIGN.md section 11)"),
 }
 # The leaf every case steps: 16.8M elements, 16384 f32 vregs.
 SHAPE = (4096, 4096)
@@ -136,12 +152,82 @@ def _compile(label: str, target: str) -> None:
   print(json.dumps({"hbm_bytes": compile_check.traffic(compiled).hbm_bytes}))
 
 
-def measure(label: str, target: str) -> dict:
-  """One case compiled for ``target`` in a process of its own, its bundles dumped: its row.
+_THUNK = re.compile(r"kCustomKernel .*?\] (\w+) grid: \[(\d+), (\d+), (\d+)\] threads: "
+                    r"\[(\d+), (\d+), (\d+)\]")
+_SASS = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?!NOP\b)\S", re.M)
 
-  Its own process: libtpu reads its dump flags once, when it starts, and
-  writes some programs' bundles after the compile returns.
+
+def _nvidia_tool(name: str) -> str:
+  """The path of a CUDA tool from the ``aot`` extra's NVIDIA wheels."""
+  import nvidia
+
+  for root in nvidia.__path__:
+    found = sorted(pathlib.Path(root).glob(f"*/bin/{name}"))
+    if found:
+      return str(found[-1])
+  raise RuntimeError(f"{name} is not installed: pip install -e \".[aot]\"")
+
+
+def _sass_count(ptx: pathlib.Path, arch: str) -> int:
+  """The instructions (NOPs left out) of the SASS ptxas makes of one PTX file."""
+  with tempfile.TemporaryDirectory() as scratch:
+    cubin = pathlib.Path(scratch) / "kernel.cubin"
+    subprocess.run([_nvidia_tool("ptxas"), f"-arch={arch}", str(ptx), "-o", str(cubin)],
+                   check=True, capture_output=True)
+    sass = subprocess.run([_nvidia_tool("nvdisasm"), "-c", str(cubin)], check=True,
+                          capture_output=True, text=True).stdout
+  return len(_SASS.findall(sass))
+
+
+def _measure_gpu(label: str, target: str) -> dict:
+  """One case compiled for a GPU ``target`` with XLA's dump: its row."""
+  import jax
+
+  from pallasopt import compile_check
+
+  step, args = _step(label)
+  lowered = jax.jit(lambda *a: step(*a), donate_argnums=(0, 2)).lower(
+      *(compile_check.on_device(a, target) for a in args))
+  with tempfile.TemporaryDirectory() as dump:
+    compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+    launches = {}
+    for sequence in pathlib.Path(dump).glob("*thunk_sequence.txt"):
+      for name, *dims in _THUNK.findall(sequence.read_text()):
+        launches[name] = (math.prod(map(int, dims[:3])), math.prod(map(int, dims[3:])))
+    kernels = {}
+    for ptx in pathlib.Path(dump).glob("*.ptx"):
+      text = ptx.read_text()
+      entries = re.findall(r"^\.(?:visible\s+)?\.entry\s+(\w+)", text, re.M)
+      arch = re.search(r"^\.target\s+(sm_\w+)", text, re.M)
+      if len(entries) == 1 and entries[0] in launches and arch:
+        programs, threads = launches[entries[0]]
+        kernels[entries[0]] = _sass_count(ptx, arch.group(1)) * threads * programs
+  rate, bandwidth, _ = ISSUE_RATES[target]
+  elements = math.prod(SHAPE)
+  hbm = compile_check.traffic(compiled).hbm_bytes
+  thread_instructions = sum(kernels.values())
+  compute_s, memory_s = thread_instructions / 32 / rate, hbm / bandwidth
+  return dict(
+      case=label, optimizer=_optimizer_of(label),
+      sass_per_element=thread_instructions / elements, hbm_bytes_per_element=hbm / elements,
+      budget_sass_per_element=memory_s * rate * 32 / elements, compute_s=compute_s,
+      memory_s=memory_s, predicted_s=max(compute_s, memory_s),
+      bound="compute" if compute_s > memory_s else "memory",
+      kernels={k: v / elements for k, v in kernels.items() if v / elements >= 0.05},
+  )
+
+
+def measure(label: str, target: str) -> dict:
+  """One case compiled for ``target``: its row.
+
+  On a GPU in this process; on a TPU in a process of its own, its bundles
+  dumped.
+
+  A process of its own: libtpu reads its dump flags once, when it starts,
+  and writes some programs' bundles after the compile returns.
   """
+  if target in ISSUE_RATES:
+    return _measure_gpu(label, target)
   with tempfile.TemporaryDirectory(prefix="pallasopt-bundles-") as dump:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "LIBTPU_INIT_ARGS": " ".join(filter(None, [
         os.environ.get("LIBTPU_INIT_ARGS"), f"--xla_jf_dump_to={dump}",
@@ -172,7 +258,7 @@ def measure(label: str, target: str) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m bench.schedule", description=__doc__)
-  parser.add_argument("--target", choices=list(CLOCKS), default="v5e")
+  parser.add_argument("--target", choices=[*CLOCKS, *ISSUE_RATES], default="v5e")
   parser.add_argument("--case", choices=list(CASES), action="append",
                       help="a case to measure (default: all); Optax's step of its optimizer "
                       "always runs")
@@ -190,20 +276,31 @@ def main(argv: Sequence[str] | None = None) -> None:
   rows = list(baselines.values()) + [measure(label, args.target) for label in labels]
   for row in rows:
     row["predicted_vs_optax"] = row["predicted_s"] / baselines[row["optimizer"]]["predicted_s"]
-  clock, bandwidth, source = CLOCKS[args.target]
-  print(f"{args.target}: predicted from the compiled bundles (no TPU ran this); "
-        f"{clock / 1e9:.2f} GHz, {bandwidth / 1e9:.0f} GB/s; per 1024 elements of {SHAPE}")
-  print(f"  {'case':30s} {'cycles':>7s} {'budget':>7s} {'HBM B':>7s}  bound    vs Optax")
+  gpu = args.target in ISSUE_RATES
+  if gpu:
+    rate, bandwidth, source = ISSUE_RATES[args.target]
+    constants = {"warp_instructions_per_s": rate, "hbm_bytes_per_s": bandwidth}
+    unit = "SASS"
+    columns = ("sass_per_element", "budget_sass_per_element", "hbm_bytes_per_element")
+    print(f"{args.target}: predicted from the compiled SASS (no GPU ran this); "
+          f"{rate:.2g} warp instructions/s, {bandwidth / 1e12:.1f} TB/s; per element of {SHAPE}")
+  else:
+    clock, bandwidth, source = CLOCKS[args.target]
+    constants = {"clock_hz": clock, "hbm_bytes_per_s": bandwidth}
+    unit, columns = "cycles", ("cycles_per_1024", "budget_cycles_per_1024", "hbm_bytes_per_1024")
+    print(f"{args.target}: predicted from the compiled bundles (no TPU ran this); "
+          f"{clock / 1e9:.2f} GHz, {bandwidth / 1e9:.0f} GB/s; per 1024 elements of {SHAPE}")
+  print(f"  {'case':30s} {unit:>7s} {'budget':>7s} {'HBM B':>7s}  bound    vs Optax")
   for r in rows:
-    print(f"  {r['case']:30s} {r['cycles_per_1024']:7.1f} {r['budget_cycles_per_1024']:7.1f} "
-          f"{r['hbm_bytes_per_1024']:7.0f}  {r['bound']:7s}  {r['predicted_vs_optax']:.2f}x")
+    compute, budget, hbm = (r[c] for c in columns)
+    print(f"  {r['case']:30s} {compute:7.1f} {budget:7.1f} {hbm:7.1f}  {r['bound']:7s}  "
+          f"{r['predicted_vs_optax']:.2f}x")
   if args.json:
     from bench.compiled import _provenance
 
     with open(args.json, "w") as f:
-      json.dump({"target": args.target, "clock_hz": clock, "hbm_bytes_per_s": bandwidth,
-                 "clock_source": source, "shape": list(SHAPE), **_provenance(), "rows": rows},
-                f, indent=1)
+      json.dump({"target": args.target, **constants, "constants_source": source,
+                 "shape": list(SHAPE), **_provenance(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

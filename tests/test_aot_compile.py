@@ -597,3 +597,19 @@ def test_the_elementwise_steps_compute_within_their_tpu_schedule():
     assert row["cycles_per_1024"] <= 1.05 * cycles, row
     # Its bytes stay those of its state: 16 B per element, 14 for int4 (of Optax's 28).
     assert row["hbm_bytes_per_1024"] <= (14.1 if fmt == "int4" else 16.1) * 1024, row
+
+
+def test_the_gpu_schedule_reads_the_sass_of_every_kernel():
+  # The same model on an H100 (`bench.schedule`): SASS per element from
+  # ptxas and nvdisasm. Optax's fusion and the f32 kernel stay memory-bound;
+  # int8 AdamW drops from 307 SASS per element (the dynamic map) to 176.
+  aot_targets.require("h100")
+  from bench import schedule
+
+  rows = {label: schedule.measure(label, "h100")
+          for label in (schedule.OPTAX["adamw"], "adamw fused f32", "adamw fused int8")}
+  for label in (schedule.OPTAX["adamw"], "adamw fused f32"):
+    assert rows[label]["bound"] == "memory", rows[label]
+  int8 = rows["adamw fused int8"]
+  assert int8["kernels"].keys() == {"adamw_apply"}, int8
+  assert int8["sass_per_element"] <= 1.05 * 176, int8
