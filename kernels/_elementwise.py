@@ -15,7 +15,8 @@ and `elementwise_call` does the rest, identically for every family:
   kernel *input*, never as a Python constant, so changing them never
   recompiles: SMEM on TPU, a power-of-two f32 vector with a full block on
   Triton;
-* loads every block as f32 and stores each output in its own dtype;
+* loads every block as f32 (integer codes as int32) and stores each output
+  in its own dtype;
 * masks loads and stores of ragged blocks on Triton (Mosaic pads them);
 * reads and writes 4-bit codes (``int4``, two to a byte) as they are on
   TPU, and on Triton, which has no 4-bit type, as their bytes
@@ -103,6 +104,11 @@ def scalar_input(
   return vec, pl.BlockSpec(vec.shape, lambda *_: (0,))
 
 
+def _value(block):
+  """A loaded block as a body sees it: integer codes as int32, everything else as f32."""
+  return block.astype(jnp.int32 if jnp.issubdtype(block.dtype, jnp.integer) else jnp.float32)
+
+
 def _as_column(row):
   """A ``(1, n)`` row as an ``(n, 1)`` column, inside a kernel.
 
@@ -158,10 +164,9 @@ def _kernel(
       # values reach only that row's (masked-off) stores.
       other = None if quant.is_float8(r.dtype) else 0
       if i in nibble_inputs:
-        return codecs.from_nibbles(
-            pltriton.load(r, mask=byte_mask, other=0).astype(jnp.float32))
+        return codecs.from_nibbles(pltriton.load(r, mask=byte_mask, other=0).astype(jnp.int32))
       if i not in block_inputs:
-        return pltriton.load(r, mask=mask, other=other).astype(jnp.float32)
+        return _value(pltriton.load(r, mask=mask, other=other))
       if in_place:  # one value per row, stored as a (1, block_rows) row
         return pltriton.load(r, mask=row_mask, other=0).astype(jnp.float32).reshape(-1, 1)
       return pltriton.load(r, mask=column_mask, other=0).astype(jnp.float32)
@@ -182,7 +187,7 @@ def _kernel(
 
   runs = block_cols // width
   if runs == 1 and not in_place:
-    values = body(scalars, *(r[...].astype(jnp.float32) for r in in_refs), **extra(0))
+    values = body(scalars, *(_value(r[...]) for r in in_refs), **extra(0))
     for ref, value in zip(out_refs, values, strict=True):
       ref[...] = value.astype(ref.dtype)
     return
@@ -193,7 +198,7 @@ def _kernel(
     cut = pl.ds(pl.multiple_of(run * width, width), width)
     blocks = [
         _as_column(r[pl.ds(run, 1), :].astype(jnp.float32)) if i in block_inputs
-        else r[:, cut].astype(jnp.float32)
+        else _value(r[:, cut])
         for i, r in enumerate(in_refs)
     ]
     for k, (ref, value) in enumerate(zip(out_refs, body(scalars, *blocks, **extra(run)),
@@ -286,7 +291,8 @@ def elementwise_call(
   on TPU no copy, reshape or transpose of a leaf appears around the kernel.
 
   Args:
-    body: ``body(scalars, *blocks) -> outputs``; all values f32.
+    body: ``body(scalars, *blocks) -> outputs``; values f32, but integer
+      operands (blockwise codes) int32.
     operands: arrays of one shape (any rank, any size), f32, bf16 or 8-bit,
       except the `block_inputs`.
     scalars: per-step 0-d values, passed to the kernel as data.

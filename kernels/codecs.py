@@ -99,6 +99,7 @@ __all__ = [
     "e3m4_map_values",
     "root_map_values",
     "NIBBLE_CODECS",
+    "INTEGER_CODECS",
     "as_bytes",
     "as_nibbles",
     "from_nibbles",
@@ -125,6 +126,9 @@ OUTLIER_RATIO = 256.0
 _LINEAR4_STEPS = 7
 # The maps whose codes are 4 bits (uint4).
 NIBBLE_CODECS: tuple[str, ...] = ("linear4", "root4")
+# The maps whose codes are integers, which the codecs take and give as int32
+# (e4m3's are the scaled f32 values that storing as float8 rounds).
+INTEGER_CODECS: tuple[str, ...] = ("e3m4", "root", "root4", "linear4", "dynamic")
 
 
 def _uniform(bits):
@@ -239,7 +243,7 @@ def _root_map(name: str) -> tuple[float, int, int, int, int]:
 
 
 def _encode_root(x, bits, name: str = "root"):
-  """Root-map codes (f32) of ``x`` in [0, 1]; stochastic with ``bits``.
+  """Root-map codes (int32) of ``x`` in [0, 1]; stochastic with ``bits``.
 
   The f32 bit pattern of ``T x`` with its mantissa cut to M bits is, past an
   offset, the code: adding half of the dropped bits' weight rounds to
@@ -251,13 +255,13 @@ def _encode_root(x, bits, name: str = "root"):
   dropped = (1 << dropped_bits) - 1
   nudge = (dropped + 1) // 2 if bits is None else bits & dropped
   code = jax.lax.shift_right_logical(as_int + nudge, np.int32(dropped_bits))
-  return jnp.clip(code - offset, first, last).astype(jnp.float32)
+  return jnp.clip(code - offset, first, last)
 
 
 def _decode_root(codes, name: str = "root"):
-  """The root map's values (f32 in (0, 1]) of ``codes`` (f32 holding its codes)."""
+  """The root map's values (f32 in (0, 1]) of ``codes`` (int32)."""
   top, offset, dropped_bits, _, _ = _root_map(name)
-  pattern = (codes.astype(jnp.int32) + offset) << dropped_bits
+  pattern = (codes + offset) << dropped_bits
   # A product by 1/T, not a division by T: XLA turns the division by a
   # constant into that product on some backends, not on others.
   return jax.lax.bitcast_convert_type(pattern, jnp.float32) * np.float32(1 / top)
@@ -274,33 +278,51 @@ _E3M4_SUBNORMAL_STEP = 2.0**-10
 
 
 def _encode_e3m4(x, bits):
-  """e3m4 codes (f32 holding -127..127) of ``x`` in [-1, 1]; stochastic with ``bits``.
+  """e3m4 codes (int32, -127..127) of ``x`` in [-1, 1]; stochastic with ``bits``.
 
-  Normal values: the bit pattern of ``T |x|`` with random (or half) bits
-  added below its 4 kept mantissa bits, shifted down: the carry moves the
-  exponent as float rounding does. Subnormal ones: ``T |x| / 2^-10``
-  rounded as an integer. ``x`` is never NaN here (`encode_rows`).
+  ``T |x|`` as a fixed-point number whose 19 low bits are dropped: normal
+  values are their f32 bit pattern past the offset (the exponent field
+  counts binades in the code), subnormal ones ``T |x| + 2^-6``'s mantissa
+  (units of 2^-29, by the f32 add). Random (or half) bits added below the
+  kept ones round it stochastically (or to nearest), carrying as float
+  rounding does. ``x`` is never NaN here (`encode_rows`).
   """
   a = jnp.abs(x) * np.float32(_E3M4_TOP)
-  as_int = jax.lax.bitcast_convert_type(a, jnp.int32)
+  least_normal = np.float32(_E3M4_LEAST_NORMAL)
+  lifted = jax.lax.bitcast_convert_type(a + least_normal, jnp.int32) - _bits_of(least_normal)
+  normal = jax.lax.bitcast_convert_type(a, jnp.int32) - (_E3M4_OFFSET << _E3M4_DROPPED_BITS)
+  fixed = jnp.where(a < least_normal, lifted, normal)
   dropped = (1 << _E3M4_DROPPED_BITS) - 1
   nudge = (dropped + 1) // 2 if bits is None else bits & dropped
-  normal = jax.lax.shift_right_logical(as_int + nudge, np.int32(_E3M4_DROPPED_BITS))
-  normal = (normal - _E3M4_OFFSET).astype(jnp.float32)
-  subnormal = _floor_rounded(a * np.float32(1 / _E3M4_SUBNORMAL_STEP), bits)
-  magnitude = jnp.where(a < np.float32(_E3M4_LEAST_NORMAL), subnormal, normal)
-  magnitude = jnp.minimum(magnitude, float(_E3M4_LAST))
+  magnitude = jnp.minimum(
+      jax.lax.shift_right_logical(fixed + nudge, np.int32(_E3M4_DROPPED_BITS)), _E3M4_LAST)
   return jnp.where(x < 0, -magnitude, magnitude)
 
 
 def _decode_e3m4(codes):
-  """The e3m4 map's values (f32 in [-1, 1]) of ``codes`` (f32 holding -128..127; -128 reads as -1)."""
-  magnitude = jnp.minimum(jnp.abs(codes), float(_E3M4_LAST))
-  pattern = (magnitude.astype(jnp.int32) + _E3M4_OFFSET) << _E3M4_DROPPED_BITS
+  """The e3m4 map's values (f32 in [-1, 1]) of ``codes`` (int32, -128..127; -128 reads as -1)."""
+  magnitude = jnp.minimum(jnp.abs(codes), _E3M4_LAST)
+  pattern = (magnitude + _E3M4_OFFSET) << _E3M4_DROPPED_BITS
   normal = jax.lax.bitcast_convert_type(pattern, jnp.float32)
-  subnormal = magnitude * np.float32(_E3M4_SUBNORMAL_STEP)
-  value = jnp.where(magnitude >= 16.0, normal, subnormal) * np.float32(1 / _E3M4_TOP)
+  subnormal = magnitude.astype(jnp.float32) * np.float32(_E3M4_SUBNORMAL_STEP)
+  value = jnp.where(magnitude >= 16, normal, subnormal) * np.float32(1 / _E3M4_TOP)
   return jnp.where(codes < 0, -value, value)
+
+
+def _bits_of(value: np.float32) -> np.int32:
+  """The bit pattern of an f32 constant, as an int32 constant."""
+  return np.asarray(value, np.float32).view(np.int32)
+
+
+def _as_integer(t):
+  """``t`` (f32 holding integers of magnitude below 2^22) as int32, exactly.
+
+  Adding 1.5 * 2^23 puts the integer in the mantissa's low bits: an add and
+  a subtract, where a conversion that truncates costs a floor, a ceil and a
+  select more on a TPU.
+  """
+  magic = np.float32(1.5 * 2**23)
+  return jax.lax.bitcast_convert_type(t + magic, jnp.int32) - _bits_of(magic)
 
 
 def _floor_rounded(t, bits):
@@ -309,14 +331,15 @@ def _floor_rounded(t, bits):
 
 
 def _encode_linear4(x, bits):
-  """Linear 4-bit codes (f32 holding -7..7) of ``x`` in [-1, 1]."""
+  """Linear 4-bit codes (int32, -7..7) of ``x`` in [-1, 1]."""
   k = _floor_rounded(x * np.float32(_LINEAR4_STEPS), bits)
-  return jnp.clip(k, -_LINEAR4_STEPS, _LINEAR4_STEPS)
+  return _as_integer(jnp.clip(k, -_LINEAR4_STEPS, _LINEAR4_STEPS))
 
 
 def _decode_linear4(codes):
-  """The linear 4-bit map's values (f32 in [-1, 1]) of ``codes`` (f32 holding -8..7)."""
-  return jnp.maximum(codes, -_LINEAR4_STEPS) * np.float32(1 / _LINEAR4_STEPS)
+  """The linear 4-bit map's values (f32 in [-1, 1]) of ``codes`` (int32, -8..7)."""
+  return jnp.maximum(codes, -_LINEAR4_STEPS).astype(jnp.float32) * np.float32(
+      1 / _LINEAR4_STEPS)
 
 
 def block_scales(y, *, saturate_outliers: bool = True):
@@ -345,8 +368,8 @@ def encode_rows(y, codec_name: str, bits=None, *, saturate_outliers: bool = True
   """Blockwise codes of the rows of ``y`` (f32 ``(rows, BLOCK)``): ``(codes, scales)``.
 
   ``scales`` is f32 ``(rows, 1)`` (`block_scales`), finite whatever ``y``
-  holds. ``codes`` is f32: holding -127..127 for ``"e3m4"``, 0..255 for
-  ``"root"``, -8..7 for ``"linear4"`` and ``"root4"``, for ``"e4m3"``
+  holds. ``codes`` is int32 (`INTEGER_CODECS`): -127..127 for ``"e3m4"``,
+  0..255 for ``"root"``, -8..7 for ``"linear4"`` and ``"root4"``; for ``"e4m3"`` f32,
   the scaled values, which storing as float8_e4m3fn rounds (or keeps, when
   ``bits`` rounded them).
   ``bits``: int32 random bits per element for stochastic rounding (`code_bits`),
@@ -374,10 +397,14 @@ def encode_rows(y, codec_name: str, bits=None, *, saturate_outliers: bool = True
 
 
 def decode_rows(codes, absmax, codec_name: str):
-  """The f32 values of blockwise ``codes`` (loaded as f32) with their ``absmax``.
+  """The f32 values of blockwise ``codes`` with their ``absmax``.
 
-  ``"dynamic"`` decodes states saved before 2026-12-07 (to convert them).
+  ``codes`` as `encode_rows` gives them: int32 for `INTEGER_CODECS`, f32 for
+  ``"e4m3"``. ``"dynamic"`` decodes states saved before 2026-12-07 (to
+  convert them).
   """
+  if codec_name in INTEGER_CODECS:
+    codes = codes.astype(jnp.int32)
   if codec_name == "e4m3":
     return codes * (absmax / E4M3_MAX)
   if codec_name in _ROOT_BITS:
@@ -386,7 +413,7 @@ def decode_rows(codes, absmax, codec_name: str):
     return _decode_linear4(codes) * absmax
   if codec_name == "e3m4":
     return _decode_e3m4(codes) * absmax
-  return decode(codes, True) * absmax
+  return decode(codes.astype(jnp.float32), True) * absmax
 
 
 def map_values(signed: bool) -> np.ndarray:
@@ -396,14 +423,14 @@ def map_values(signed: bool) -> np.ndarray:
 
 def e3m4_map_values() -> np.ndarray:
   """The 255 values of the e3m4 map, codes -127..127 (ascending), as float32."""
-  return np.asarray(jax.jit(_decode_e3m4)(jnp.arange(-127, 128, dtype=jnp.float32)))
+  return np.asarray(jax.jit(_decode_e3m4)(jnp.arange(-127, 128, dtype=jnp.int32)))
 
 
 def root_map_values(name: str = "root") -> np.ndarray:
   """The values of a root map (``"root"``: 256, ``"root4"``: 16) in code order (ascending), as float32."""
   _, _, _, first, last = _root_map(name)
   return np.asarray(jax.jit(_decode_root, static_argnums=1)(
-      jnp.arange(first, last + 1, dtype=jnp.float32), name))
+      jnp.arange(first, last + 1, dtype=jnp.int32), name))
 
 
 def as_bytes(codes: jax.Array) -> jax.Array:
@@ -423,29 +450,20 @@ def as_nibbles(packed: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(packed, jnp.int4).reshape(*lead, 2 * n)
 
 
-def _signed_nibble(u):
-  return u - np.float32(16.0) * (u >= 8.0).astype(u.dtype)
-
-
-def _unsigned_nibble(v):
-  return v + np.float32(16.0) * (v < 0.0).astype(v.dtype)
-
-
 def from_nibbles(packed):
-  """The f32 codes (-8..7) of f32 bytes ``(..., n)``: ``(..., 2n)``, two per byte, low half first.
+  """The int32 codes (-8..7) of int32 bytes (0..255) ``(..., n)``: ``(..., 2n)``, two per byte, low half first.
 
-  Arithmetic only (a floor, compares and an interleave, which Triton lowers
-  as a join).
+  Bit operations and an interleave (which Triton lowers as a join).
   """
-  high = jnp.floor(packed * np.float32(1 / 16))
-  low = packed - high * np.float32(16.0)
+  low = packed & 15
+  high = jax.lax.shift_right_logical(packed, np.int32(4)) & 15
+  signed = lambda nibble: jnp.where(nibble >= 8, nibble - 16, nibble)
   *lead, n = packed.shape
-  pairs = jnp.stack([_signed_nibble(low), _signed_nibble(high)], axis=-1)
-  return pairs.reshape(*lead, 2 * n)
+  return jnp.stack([signed(low), signed(high)], axis=-1).reshape(*lead, 2 * n)
 
 
 def to_nibbles(codes):
-  """f32 bytes (0..255) of f32 codes (-8..7) ``(..., 2n)``: the inverse of `from_nibbles`."""
+  """int32 bytes (0..255) of int32 codes (-8..7) ``(..., 2n)``: the inverse of `from_nibbles`."""
   *lead, n = codes.shape
   low, high = jnp.unstack(codes.reshape(*lead, n // 2, 2), axis=-1)
-  return _unsigned_nibble(low) + _unsigned_nibble(high) * np.float32(16.0)
+  return (low & 15) | ((high & 15) << 4)

@@ -75,7 +75,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallasopt.kernels import _compat
+from pallasopt.kernels import _compat, codecs
 from pallasopt.kernels.codecs import decode, decode_rows, encode_rows
 from pallasopt.kernels.rounding import code_bits
 
@@ -557,7 +557,7 @@ def _encoded(x, root, key, *, role: str, fmt: str, stream: int):
 
 @functools.partial(jax.jit, static_argnames=("name",))
 def _decoded(codes, scales, *, name: str):
-  rows = _block_rows(codes.astype(jnp.float32))
+  rows = _block_rows(codes.astype(jnp.int32 if name in codecs.INTEGER_CODECS else jnp.float32))
   return _from_block_rows(decode_rows(rows, scales[..., None], name), codes)
 
 

@@ -580,7 +580,7 @@ def test_compile_check_runs_as_documented_with_jax_platforms_unset():
 # named exception (issue 69): bounded here at its cycles when this test was
 # written plus 5%, so that the codecs only get cheaper (the dynamic map int8
 # used until 2026-12-07 took 95.9).
-_ADAMW_BLOCKWISE_CYCLES = {"int8": 59.7, "fp8": 57.0, "int4": 51.0}
+_ADAMW_BLOCKWISE_CYCLES = {"int8": 52.1, "fp8": 53.5, "int4": 47.1}
 
 
 def test_the_elementwise_steps_compute_within_their_tpu_schedule():
@@ -602,7 +602,7 @@ def test_the_elementwise_steps_compute_within_their_tpu_schedule():
 def test_the_gpu_schedule_reads_the_sass_of_every_kernel():
   # The same model on an H100 (`bench.schedule`): SASS per element from
   # ptxas and nvdisasm. Optax's fusion and the f32 kernel stay memory-bound;
-  # int8 AdamW drops from 307 SASS per element (the dynamic map) to 176.
+  # int8 AdamW dropped from 307 SASS per element (the dynamic map) to 162.
   aot_targets.require("h100")
   from bench import schedule
 
@@ -612,4 +612,4 @@ def test_the_gpu_schedule_reads_the_sass_of_every_kernel():
     assert rows[label]["bound"] == "memory", rows[label]
   int8 = rows["adamw fused int8"]
   assert int8["kernels"].keys() == {"adamw_apply"}, int8
-  assert int8["sass_per_element"] <= 1.05 * 176, int8
+  assert int8["sass_per_element"] <= 1.05 * 162.3, int8

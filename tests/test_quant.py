@@ -349,10 +349,10 @@ def test_the_4_bit_maps():
 
 def test_nibbles_pack_as_xla_stores_uint4():
   # Byte k holds element 2k in its low half: the Triton kernels' view of uint4 codes.
-  codes = np.random.default_rng(0).integers(-8, 8, (3, 512)).astype(np.float32)
+  codes = np.random.default_rng(0).integers(-8, 8, (3, 512)).astype(np.int32)
   packed = codecs.to_nibbles(jnp.asarray(codes))
   np.testing.assert_array_equal(
-      np.asarray(packed), np.asarray(codecs.as_bytes(jnp.asarray(codes, jnp.int4)), np.float32))
+      np.asarray(packed), np.asarray(codecs.as_bytes(jnp.asarray(codes, jnp.int4)), np.int32))
   np.testing.assert_array_equal(np.asarray(codecs.from_nibbles(packed)), codes)
   back = codecs.as_nibbles(packed.astype(jnp.uint8))
   assert back.dtype == jnp.int4
