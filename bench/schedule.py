@@ -1,4 +1,4 @@
-"""``python -m bench.schedule``: the compute side of an optimizer step's time, read from its compiled code.
+"""``python -m bench.schedule``: the compute side of a step's time, read from its compiled code.
 
 Bytes are a floor, not a time (DESIGN.md §11). A TPU core issues one VLIW
 bundle per cycle and its pipelines overlap DMA with compute, so a step takes
@@ -50,7 +50,10 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-__all__ = ["CLOCKS", "ISSUE_RATES", "OPTIMIZERS", "CASES", "OPTAX", "SHAPE", "program_cycles", "measure", "main"]
+__all__ = [
+    "CLOCKS", "ISSUE_RATES", "OPTIMIZERS", "CASES", "OPTAX", "SHAPE", "program_cycles", "measure",
+    "main",
+]
 
 # target: (clock in Hz, HBM bytes per second, where the clock comes from).
 CLOCKS = {
@@ -64,7 +67,8 @@ ISSUE_RATES = {
     "h100": (6.6e11, 3.0e12, "fitted on the int8 AdamW time of the H100 records "
              "(bench/results/nvidia-h100-80gb-hbm3, jax 0.11.2): 63% of 132 SMs x 4 schedulers x "
              "1.98 GHz; 3.0 TB/s is the copy ceiling Optax's AdamW reached there (97%); the model "
-             "reproduced the six measured fused AdamW times within -10%..+7% (DESIGN.md section 11)"),
+             "reproduced the six measured fused AdamW times within -10%..+7% (DESIGN.md "
+             "section 11)"),
 }
 # The leaf every case steps: 16.8M elements, 16384 f32 vregs.
 SHAPE = (4096, 4096)
@@ -248,7 +252,8 @@ def measure(label: str, target: str) -> dict:
   cycles = sum(programs.values())
   compute_s, memory_s = cycles / clock, hbm / bandwidth
   return dict(
-      case=label, optimizer=_optimizer_of(label), cycles_per_1024=cycles / vregs, hbm_bytes_per_1024=hbm / vregs,
+      case=label, optimizer=_optimizer_of(label), cycles_per_1024=cycles / vregs,
+      hbm_bytes_per_1024=hbm / vregs,
       budget_cycles_per_1024=memory_s * clock / vregs, compute_s=compute_s, memory_s=memory_s,
       predicted_s=max(compute_s, memory_s),
       bound="compute" if compute_s > memory_s else "memory",

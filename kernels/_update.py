@@ -156,9 +156,9 @@ def _check_blockwise(moments, roles: Sequence[str]) -> None:
       if not quant.is_current(m):
         raise ValueError(
             f"moment {i} is a {type(m).__name__} with {m.codes.dtype} codes on the "
-            f"{quant.codec_of(m)} map: an int8 state saved by pallasopt before 2026-12-07, which the steps no longer "
-            "write. Convert it once with pallasopt.optim.convert_state(opt_state, params, "
-            "state_format)."
+            f"{quant.codec_of(m)} map: an int8 state saved by pallasopt before 2026-12-07, "
+            "which the steps no longer write. Convert it once with "
+            "pallasopt.optim.convert_state(opt_state, params, state_format)."
         )
       continue
     if stored == quant.SIGNED:

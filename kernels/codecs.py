@@ -33,8 +33,9 @@ lookup table, no gather, nothing Mosaic or Triton cannot lower.
   (random bits added below them round it stochastically), decoding its
   inverse: a few integer operations, no search. It replaced the dynamic
   tree map on 2026-12-07: the same largest updates and digits loss
-  (`bench.low_bit`), and the fused int8 AdamW kernel compiled for a v5e
-  went from 89.7 to 59.9 cycles per 1024 elements (its bundles).
+  (`bench.low_bit`), and (with the codes kept as integers in the kernels)
+  the fused int8 AdamW step compiled for a v5e went from 95.9 to 52.1
+  cycles per 1024 elements (`bench.schedule`).
 * *Dynamic tree* (signed moments and ratios of ``"int8"`` states saved
   before 2026-12-07, uint8 codes: read to convert them): a value is a
   decade ``10^{-z}`` (``z = 0..6``) times a linear fraction in ``(0.1, 1)``,
@@ -49,7 +50,8 @@ lookup table, no gather, nothing Mosaic or Triton cannot lower.
 
   The signed map has ``F = 6``: the 127 values ``±q_z(f)`` each, 0 and 1 (256
   values, bitsandbytes' signed map). A code is the value's rank in the sorted
-  map; finding it takes a search over the decades (the cost that retired it). (The unsigned map, ``F = 7``, 0 and 1, held second moments before
+  map; finding it takes a search over the decades (the cost that retired
+  it). (The unsigned map, ``F = 7``, 0 and 1, held second moments before
   2026-11-26; it is kept only to read such states, `legacy_second_moment`.)
 * *e4m3* (signed moments and ratios of ``"fp8"``): the float8 e4m3 value of
   ``448 x / s`` (448 is e4m3's largest finite value): 3 mantissa bits and a
@@ -267,8 +269,9 @@ def _decode_root(codes, name: str = "root"):
   return jax.lax.bitcast_convert_type(pattern, jnp.float32) * np.float32(1 / top)
 
 
-# The e3m4 map (module docstring): the top value T maps to 1; the f32
-# exponent field of 2^-6, the least normal binade, less one, in code units.
+# The e3m4 map (module docstring): the top value T maps to 1; the offset is
+# the f32 exponent field of 2^-7 (the binade below the least normal one) in
+# code units, 16 codes a binade.
 _E3M4_TOP = 31.0 / 16.0
 _E3M4_DROPPED_BITS = 23 - 4
 _E3M4_OFFSET = (127 - 7) << 4
@@ -451,7 +454,7 @@ def as_nibbles(packed: jax.Array) -> jax.Array:
 
 
 def from_nibbles(packed):
-  """The int32 codes (-8..7) of int32 bytes (0..255) ``(..., n)``: ``(..., 2n)``, two per byte, low half first.
+  """The int32 codes (-8..7) of int32 bytes (0..255) ``(..., n)``: ``(..., 2n)``, low half first.
 
   Bit operations and an interleave (which Triton lowers as a join).
   """

@@ -22,8 +22,8 @@ stores its absolute maximum ``s`` in f32 and each element an 8-bit code of
 * `RATIO`: a first moment :math:`m` that an update divides by the root of a
   second moment, stored as :math:`r = m / w` with :math:`w` that second
   moment's root (0 where :math:`w = 0`), on the format's signed codes
-  (`Int8RatioBlockwise`; `RatioBlockwise` for ``"fp8"`` and ``"int4"``); it decodes as :math:`r\,\hat w` with :math:`\hat w` the
-  decoded root.
+  (`Int8RatioBlockwise`; `RatioBlockwise` for ``"fp8"`` and ``"int4"``); it
+  decodes as :math:`r\,\hat w` with :math:`\hat w` the decoded root.
 
 Why (Li, Chen, Zhu, `Memory Efficient Optimizers with 4-bit States
 <https://arxiv.org/abs/2309.01507>`_, 2023, name it the zero-point problem):
@@ -300,7 +300,10 @@ _CODE_DTYPES = {
 
 
 def codec(role: str, fmt: str) -> str:
-  """The map of a role in a format: ``"e3m4"``, ``"e4m3"``, ``"root"``, ``"linear4"`` or ``"root4"``."""
+  """The map of a role in a format (`pallasopt.kernels.codecs`).
+
+  ``"e3m4"``, ``"e4m3"``, ``"root"``, ``"linear4"`` or ``"root4"``.
+  """
   if role not in ROLES:
     raise ValueError(f"role must be one of {ROLES}; got {role!r}.")
   if fmt not in FORMATS:

@@ -188,7 +188,8 @@ def test_a_state_saved_with_an_old_map_names_it():
   abstract = jax.eval_shape(tx.init, _TREE)
   old = pallasopt.optim.legacy_state_structure(abstract, "int8")
   with pytest.raises(ValueError, match=r"DynamicInt8Blockwise.*Int8RatioBlockwise.*the old map.*"
-                                       r"legacy_state_structure\(\.\.\., saved_before='2026-11-26'\)"):
+                                       r"legacy_state_structure\(\.\.\., "
+                                       r"saved_before='2026-11-26'\)"):
     jax.eval_shape(tx.update, _TREE, old, _TREE)
   dynamic = pallasopt.optim.legacy_state_structure(abstract, "int8", saved_before="2026-12-07")
   with pytest.raises(ValueError, match=r"RatioBlockwise.*Int8RatioBlockwise.*before 2026-12-07.*"

@@ -113,7 +113,8 @@ def test_e3m4_encode_picks_the_nearest_map_value():
                                + 1e-12)
   # Map values encode to themselves.
   codes, _ = encoded(_rows(np.resize(table.astype(np.float32), 255 * 2)))
-  np.testing.assert_array_equal(np.asarray(codes)[:, 1:].ravel(), np.resize(np.arange(-127, 128), 510))
+  np.testing.assert_array_equal(np.asarray(codes)[:, 1:].ravel(),
+                                np.resize(np.arange(-127, 128), 510))
 
 
 def _block_absmax(x: np.ndarray) -> np.ndarray:
