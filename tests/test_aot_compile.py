@@ -222,8 +222,16 @@ _GPU_CASES = {
 # preconditioner (psgd's probability schedule falls to 3%), while the every-step
 # preconditioner application spills nothing. On an H100 f32 Lion's update-mode
 # kernel stores and loads one 8-byte value (16 B) at 64 registers; "auto" runs
-# XLA for f32 Lion on every GPU.
-_ACCEPTED_SPILLS = {("a100", "kron_factor_update_dense"): 512, ("h100", "lion_updates"): 16}
+# XLA for f32 Lion on every GPU. Since int8 codes are integers end to end
+# (2026-12-07) ptxas holds fused int8 AdamW at 64 registers on an H100 and a
+# B200 and fused int8 MARS at 128 on an A100, storing and loading one or two
+# 8-byte values (16-24 B; bench.schedule's SASS count includes them, 162 per
+# element for AdamW against 307 before); at 4 warps AdamW's go, but MARS's
+# spill at 255 registers on an H100.
+_ACCEPTED_SPILLS = {
+    ("a100", "kron_factor_update_dense"): 512, ("h100", "lion_updates"): 16,
+    ("h100", "adamw_apply"): 16, ("b200", "adamw_apply"): 16, ("a100", "mars_apply"): 24,
+}
 
 
 @pytest.mark.parametrize("chip", ["h100", "a100", "b200"])
