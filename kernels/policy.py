@@ -218,8 +218,9 @@ CUDA_AUTO: Mapping[str, Measured] = MappingProxyType({
         "XLA cannot fuse the blockwise re-encoding into the update: its compiled reference reads "
         "and writes 3.5x the kernel's bytes for int8 AdamW (59.0 MB against 16.8 MB per "
         "1M-element f32 leaf, XLA's cost analysis, bench/cases_adamw.py). Timed on an H100 "
-        "(commit 4a61ce5) the int8 kernel runs at 0.54-0.72x Optax's f32 speed: bound by its "
-        "encode, not bytes."
+        "(commit 4a61ce5) the int8 kernel ran at 0.54-0.72x Optax's f32 speed, bound by the "
+        "dynamic map's encode, not bytes; with the e3m4 map (2026-12-07) its SASS predicts 0.82x "
+        "Optax's step time (bench.schedule; not yet timed)."
     )),
     NEWTON_SCHULZ: Measured("xla", (
         "The Triton kernels lost to XLA at every size measured on an H100 (commit 5e874f6, f32 "
