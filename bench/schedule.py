@@ -147,6 +147,12 @@ def _step(label: str):
   return step, (params, params, jax.eval_shape(tx.init, params))
 
 
+def _predicted(compute_s: float, memory_s: float) -> dict:
+  """The model's time: the longer of the compute and the bytes, and which one it is."""
+  return dict(compute_s=compute_s, memory_s=memory_s, predicted_s=max(compute_s, memory_s),
+              bound="compute" if compute_s > memory_s else "memory")
+
+
 def _compile(label: str, target: str) -> None:
   """Compiles one case for ``target`` and prints the HBM bytes the compiled step moves."""
   from pallasopt import compile_check
@@ -210,13 +216,12 @@ def _measure_gpu(label: str, target: str) -> dict:
   elements = math.prod(SHAPE)
   hbm = compile_check.traffic(compiled).hbm_bytes
   thread_instructions = sum(kernels.values())
-  compute_s, memory_s = thread_instructions / 32 / rate, hbm / bandwidth
+  memory_s = hbm / bandwidth
   return dict(
       case=label, optimizer=_optimizer_of(label),
       sass_per_element=thread_instructions / elements, hbm_bytes_per_element=hbm / elements,
-      budget_sass_per_element=memory_s * rate * 32 / elements, compute_s=compute_s,
-      memory_s=memory_s, predicted_s=max(compute_s, memory_s),
-      bound="compute" if compute_s > memory_s else "memory",
+      budget_sass_per_element=memory_s * rate * 32 / elements,
+      **_predicted(thread_instructions / 32 / rate, memory_s),
       kernels={k: v / elements for k, v in kernels.items() if v / elements >= 0.05},
   )
 
@@ -250,13 +255,11 @@ def measure(label: str, target: str) -> dict:
   clock, bandwidth, _ = CLOCKS[target]
   vregs = math.prod(SHAPE) / 1024
   cycles = sum(programs.values())
-  compute_s, memory_s = cycles / clock, hbm / bandwidth
+  memory_s = hbm / bandwidth
   return dict(
       case=label, optimizer=_optimizer_of(label), cycles_per_1024=cycles / vregs,
-      hbm_bytes_per_1024=hbm / vregs,
-      budget_cycles_per_1024=memory_s * clock / vregs, compute_s=compute_s, memory_s=memory_s,
-      predicted_s=max(compute_s, memory_s),
-      bound="compute" if compute_s > memory_s else "memory",
+      hbm_bytes_per_1024=hbm / vregs, budget_cycles_per_1024=memory_s * clock / vregs,
+      **_predicted(cycles / clock, memory_s),
       programs={k: v / vregs for k, v in programs.items() if v / vregs >= 0.05},
   )
 

@@ -233,6 +233,18 @@ def _e4m3_grid(y, bits):
   return jnp.where(y < 0, -rounded, rounded)
 
 
+def _rounded_off(fixed, bits, dropped_bits: int):
+  """Nonnegative int32 ``fixed`` with its low ``dropped_bits`` rounded off and shifted out.
+
+  Half their weight added rounds to nearest (ties up); random ``bits`` added
+  round stochastically. The carry moves the kept bits (a float's exponent
+  too, when ``fixed`` is its bit pattern), as rounding up must.
+  """
+  dropped = (1 << dropped_bits) - 1
+  nudge = (dropped + 1) // 2 if bits is None else bits & dropped
+  return jax.lax.shift_right_logical(fixed + nudge, np.int32(dropped_bits))
+
+
 def _root_map(name: str) -> tuple[float, int, int, int, int]:
   """A root map's top value ``T``, code offset, dropped mantissa bits, first and last code."""
   exponent_bits, mantissa_bits = _ROOT_BITS[name]
@@ -254,10 +266,7 @@ def _encode_root(x, bits, name: str = "root"):
   """
   top, offset, dropped_bits, first, last = _root_map(name)
   as_int = jax.lax.bitcast_convert_type(x * np.float32(top), jnp.int32)
-  dropped = (1 << dropped_bits) - 1
-  nudge = (dropped + 1) // 2 if bits is None else bits & dropped
-  code = jax.lax.shift_right_logical(as_int + nudge, np.int32(dropped_bits))
-  return jnp.clip(code - offset, first, last)
+  return jnp.clip(_rounded_off(as_int, bits, dropped_bits) - offset, first, last)
 
 
 def _decode_root(codes, name: str = "root"):
@@ -295,10 +304,7 @@ def _encode_e3m4(x, bits):
   lifted = jax.lax.bitcast_convert_type(a + least_normal, jnp.int32) - _bits_of(least_normal)
   normal = jax.lax.bitcast_convert_type(a, jnp.int32) - (_E3M4_OFFSET << _E3M4_DROPPED_BITS)
   fixed = jnp.where(a < least_normal, lifted, normal)
-  dropped = (1 << _E3M4_DROPPED_BITS) - 1
-  nudge = (dropped + 1) // 2 if bits is None else bits & dropped
-  magnitude = jnp.minimum(
-      jax.lax.shift_right_logical(fixed + nudge, np.int32(_E3M4_DROPPED_BITS)), _E3M4_LAST)
+  magnitude = jnp.minimum(_rounded_off(fixed, bits, _E3M4_DROPPED_BITS), _E3M4_LAST)
   return jnp.where(x < 0, -magnitude, magnitude)
 
 

@@ -726,7 +726,7 @@ def test_convert_state_handles_rmsprop_and_mars():
     jax.jit(make("int8").update)(grads, as_int8, params)
 
 
-def _saved_before_2026_11_26(state, params):
+def _saved_before_2026_11_26(state):
   """An int8 AdamW state as pallasopt stored it before 2026-11-26: both moments as themselves.
 
   Each moment an `Int8Blockwise`, the second on the unsigned dynamic map,
@@ -745,7 +745,7 @@ def _on_the_dynamic_map(x, signed, cls=DynamicInt8Blockwise):
   return cls(codes.astype(jnp.uint8), jnp.asarray(absmax.T))
 
 
-def _saved_before_2026_12_07(state, params):
+def _saved_before_2026_12_07(state):
   """An int8 AdamW state as pallasopt stored it before 2026-12-07: the root on the
   root map (as now), the ratio as uint8 codes on the signed dynamic map."""
   adam = state[0]
@@ -756,28 +756,42 @@ def _saved_before_2026_12_07(state, params):
   return (adam._replace(mu=mu, nu=nu), *state[1:])
 
 
-def test_an_int8_state_saved_on_the_dynamic_map_converts_or_fails_clearly(tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
-  params = {"w": _params()["w"], "b": _params()["b"]}
+def _two_optax_adamw_steps(params):
+  """Optax's AdamW(1e-2) state after two steps on ``params``."""
   ref = optax.adamw(1e-2)
   f32 = ref.init(params)
   for step in range(2):
     _, f32 = ref.update(_grads(params, step), f32, params)
-  old = _saved_before_2026_12_07(f32, params)
+  return f32
+
+
+def _restores_only_into_its_own_tree(old, path, abstract, missing, saved_before):
+  """Saves ``old`` with orbax; restoring it into today's ``abstract`` names the ``missing``
+  field, into `legacy_state_structure`'s tree gives it back. Returns that restored state."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(path, old)
+  checkpointer.wait_until_finished()
+  with pytest.raises(ValueError, match=missing):
+    checkpointer.restore(path, abstract)
+  restored = checkpointer.restore(path, pallasopt.optim.legacy_state_structure(
+      abstract, "int8", saved_before=saved_before))
+  _assert_same(restored, old, "restored")
+  return restored
+
+
+def test_an_int8_state_saved_on_the_dynamic_map_converts_or_fails_clearly(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  params = {"w": _params()["w"], "b": _params()["b"]}
+  old = _saved_before_2026_12_07(_two_optax_adamw_steps(params))
   tx = pallasopt.optim.adamw(1e-2, state_format="int8")
   with pytest.raises(ValueError, match=r"RatioBlockwise.*before 2026-12-07.*convert_state"):
     tx.update(_grads(params, 2), old, params)
   # Saved, it restores only into its own tree: into today's, orbax would cast
   # its uint8 codes to int8 silently; the renamed field is missing instead.
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "old", old)
-  checkpointer.wait_until_finished()
   abstract = jax.eval_shape(tx.init, params)
-  with pytest.raises(ValueError, match="e3m4_ratio_codes"):
-    checkpointer.restore(tmp_path / "old", abstract)
-  restored = checkpointer.restore(tmp_path / "old", pallasopt.optim.legacy_state_structure(
-      abstract, "int8", saved_before="2026-12-07"))
-  _assert_same(restored, old, "restored")
+  restored = _restores_only_into_its_own_tree(
+      old, tmp_path / "old", abstract, "e3m4_ratio_codes", "2026-12-07")
   converted = pallasopt.optim.convert_state(restored, params, "int8")
   assert jax.tree.structure(converted) == jax.tree.structure(abstract)
   np.testing.assert_array_equal(converted[0].nu["w"].codes, old[0].nu["w"].codes)  # kept
@@ -791,26 +805,16 @@ def test_an_int8_state_saved_on_the_dynamic_map_converts_or_fails_clearly(tmp_pa
 
 
 def test_a_state_saved_on_the_old_second_moment_map_converts_or_fails_clearly(tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
+  pytest.importorskip("orbax.checkpoint")
   params = {"w": _params()["w"], "b": _params()["b"]}
-  ref = optax.adamw(1e-2)
-  f32 = ref.init(params)
-  for step in range(2):
-    _, f32 = ref.update(_grads(params, step), f32, params)
-  old = _saved_before_2026_11_26(f32, params)
+  old = _saved_before_2026_11_26(_two_optax_adamw_steps(params))
   tx = pallasopt.optim.adamw(1e-2, state_format="int8")
   with pytest.raises(ValueError, match=r"Int8Blockwise.*before 2026-11-26.*convert_state"):
     tx.update(_grads(params, 2), old, params)
   # Saved, it restores only into its own tree (orbax names the missing path).
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "old", old)
-  checkpointer.wait_until_finished()
   abstract = jax.eval_shape(tx.init, params)
-  with pytest.raises(ValueError, match="ratio_codes"):
-    checkpointer.restore(tmp_path / "old", abstract)
-  restored = checkpointer.restore(
-      tmp_path / "old", pallasopt.optim.legacy_state_structure(abstract, "int8"))
-  _assert_same(restored, old, "restored")
+  restored = _restores_only_into_its_own_tree(
+      old, tmp_path / "old", abstract, "ratio_codes", "2026-11-26")
   converted = pallasopt.optim.convert_state(restored, params, "int8")
   assert jax.tree.structure(converted) == jax.tree.structure(abstract)
   # The converted moments hold what the old codes did (both to nearest).
