@@ -137,7 +137,7 @@ def _mode_product(x, q, axis: int, transpose: bool = False):
 
 
 def apply_factors(g, qs: Sequence[jax.Array]):
-  """``A = G ×_1 Q_1 ... ×_N Q_N`` for one layer (f32)."""
+  """``A = G ×_1 Q_1 ⋯ ×_N Q_N`` for one layer (f32)."""
   x = g.astype(jnp.float32)
   if x.ndim == 0:
     return x * qs[0].astype(jnp.float32)
@@ -159,7 +159,7 @@ def _precondition_layer(g, qs):
 
 
 def conj_probe(v, qs: Sequence[jax.Array]):
-  """``B = V ×_1 Q_1^{-T} ... ×_N Q_N^{-T}`` for one layer (f32).
+  """``B = V ×_1 Q_1^{-T} ⋯ ×_N Q_N^{-T}`` for one layer (f32).
 
   Each dense factor is a right triangular solve ``X Q^{-1}`` with the layer's
   axis moved last (``jax.lax.linalg.triangular_solve``; see the module

@@ -20,8 +20,9 @@ __all__ = [
     "preset_table",
 ]
 
-# Published coefficient tables, as NVIDIA Emerging-Optimizers
-# (`orthogonalized_optimizers/muon_utils.py`) and Megatron-Core ship them.
+#: Newton–Schulz coefficient tables by name, one ``(a, b, c)`` row per step (expanded
+#: to more steps by `preset_table`), as NVIDIA Emerging-Optimizers
+#: (``orthogonalized_optimizers/muon_utils.py``) and Megatron-Core publish them.
 PRESETS: dict[str, tuple[tuple[float, float, float], ...]] = {
     # Jordan's Muon (modded-nanogpt), repeated every step.
     "simple": ((3.4445, -4.7750, 2.0315),),

@@ -150,16 +150,16 @@ def adafactor(
       float32 (its default). The kernel updates the momentum in f32 and XLA
       re-encodes it: one more pass over the momentum than AdamW's formats.
     seed: seed of the stochastic roundings (None: 0).
-
-  Dtypes: float32 and bfloat16 leaves run the fused kernel; any other leaf
-  Optax accepts (float16, float64, complex) runs Optax's own chain for that
-  leaf, in its dtype, in every ``impl``.
     impl: ``"auto" | "pallas" | "interpret" | "xla"``; see
       `pallasopt.kernels.use_impl`.
 
   Returns:
     A `FusedGradientTransformation`. Under ``optax.inject_hyperparams``,
     pass ``static_args=ADAFACTOR_STATIC_ARGS``.
+
+  Dtypes: float32 and bfloat16 leaves run the fused kernel; any other leaf
+  Optax accepts (float16, float64, complex) runs Optax's own chain for that
+  leaf, in its dtype, in every ``impl``.
 
   Raises:
     ValueError: a concrete hyperparameter out of range or NaN; at update time,

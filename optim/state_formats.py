@@ -116,7 +116,7 @@ def convert_state(
       decoded to zero the converted first moment is zero too (the step that
       state would take there divides by ``eps``).
     params: the params the state belongs to (arrays or
-      ``jax.ShapeDtypeStruct``s): they decide each leaf's storage, as
+      ``jax.ShapeDtypeStruct`` values): they decide each leaf's storage, as
       ``init`` does.
     state_format: ``None`` (Optax's state), ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``.
     mu_dtype: the first moment's dtype wherever ``state_format`` keeps it
@@ -200,7 +200,7 @@ def legacy_state_structure(
   """The tree of a ``state_format`` state like ``opt_state`` as saved before a storage change.
 
   Restore an old checkpoint with this tree as the target (``opt_state`` may
-  hold ``jax.ShapeDtypeStruct``s, e.g. ``jax.eval_shape(tx.init, params)``),
+  hold ``jax.ShapeDtypeStruct`` values, e.g. ``jax.eval_shape(tx.init, params)``),
   then `convert_state` it::
 
     target = pallasopt.optim.legacy_state_structure(

@@ -478,6 +478,7 @@ def _scale_by(style: str):
 
 
 _SCALE_ARGS = """
+
   Args:
     lr_style: ``"adam"`` divides the output by 5 (Adam-like step sizes); None
       (or any other value, with a warning, as eFormer accepts) keeps it.

@@ -194,9 +194,10 @@ def muon(
       on CPUs; the Mosaic kernels on TPU. ``"pallas"`` forces the kernels:
       on CUDA the Mosaic GPU one, which takes bf16 iterates only.
     stacked_axes: leading batch axes of every leaf (see "Routing").
-    ns_rule, custom_ns_coeffs, iter_dtype, gram_levels, scale_mode, extra_scale_factor,
-    momentum, second_moment, beta2, second_moment_eps, qkv_split_shapes,
-    adamw_predicate, blockwise, distributed_axes: see "Extensions".
+    ns_rule, custom_ns_coeffs, iter_dtype, gram_levels, scale_mode: see "Extensions".
+    extra_scale_factor, momentum, second_moment, beta2: see "Extensions".
+    second_moment_eps, qkv_split_shapes, adamw_predicate: see "Extensions".
+    blockwise, distributed_axes: see "Extensions".
     state_format: storage of the momentum (both parts): None (Optax's),
       ``"bf16"`` (stochastic rounding on every store), ``"int8"``, ``"fp8"``
       or ``"int4"`` (blockwise codes for leaves of at least 4096 elements,

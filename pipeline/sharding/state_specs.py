@@ -298,7 +298,7 @@ def optimizer_state_specs(
   Args:
     state_shapes: the optimizer state, or better its shapes:
       ``jax.eval_shape(tx.init, params)``.
-    params: the params (arrays or `jax.ShapeDtypeStruct`s).
+    params: the params (arrays or `jax.ShapeDtypeStruct` values).
     param_specs: a `PartitionSpec` per param, with the structure of `params`.
     factor_rule: the spec of each preconditioner factor, from a `FactorInfo`
       (`replicate_factors` or `shard_factors_like_params`, or your own).
