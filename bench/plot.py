@@ -58,8 +58,8 @@ def plot(records: Sequence[dict], out: str | pathlib.Path, title: str | None = N
       len(families), 1, figsize=(11, 1.0 + 0.24 * sum(heights) + 0.7 * len(families)),
       squeeze=False, constrained_layout=True, gridspec_kw={"height_ratios": heights},
   )
-  # A row whose timing range overlaps its baseline's measured no difference:
-  # drawn at 1.0, in grey.
+  # A row that measured no difference from its baseline (ranges that overlap,
+  # or medians within the case's run-to-run noise): drawn at 1.0, in grey.
   same = lambda r: bool(r.get("same_as_baseline"))
   largest = max(max(1.0 if same(r) else r["vs_baseline"] for r in rows), 1.0)
   for ax, family in zip(axes[:, 0], families):
@@ -69,7 +69,7 @@ def plot(records: Sequence[dict], out: str | pathlib.Path, title: str | None = N
     ys = range(len(mine))
     ax.barh(ys, ratios, color=colors, height=0.7)
     for y, x, r in zip(ys, ratios, mine):
-      ax.text(x, y, " same (ranges overlap)" if same(r) else f" {x:.2f}x", va="center", fontsize=7)
+      ax.text(x, y, " same (within noise)" if same(r) else f" {x:.2f}x", va="center", fontsize=7)
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_yticks(list(ys), [_bar_label(r) for r in mine], fontsize=7)
     ax.invert_yaxis()
@@ -108,13 +108,17 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
     paths = sorted(folder.glob("*.jsonl"))
   if not paths:
     p.error("no JSONL results found; run `python -m bench` first or pass --in")
+  def read(files):
+    records = bench_records.latest(r for path in files for r in bench_records.load_records(path))
+    bench_records.attach_ratios(records)
+    return records
+
   written = []
   if args.out:
-    records = [r for path in paths for r in bench_records.load_records(path)]
-    written.append(plot(records, args.out))
+    written.append(plot(read(paths), args.out))
   else:
     for path in paths:
-      written.append(plot(bench_records.load_records(path), path.with_suffix(".png")))
+      written.append(plot(read([path]), path.with_suffix(".png")))
   for path in written:
     print(path, file=sys.stderr)
   return written

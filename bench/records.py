@@ -141,6 +141,14 @@ def load_records(path: str | os.PathLike) -> list[dict]:
   return records
 
 
+def latest(records: Iterable[dict]) -> list[dict]:
+  """The last record of each key, in the order keys first appear (a JSONL appends updates)."""
+  by_key: dict = {}
+  for r in records:
+    by_key[r.get("key", id(r))] = r
+  return list(by_key.values())
+
+
 def append_record(path: pathlib.Path, record: dict) -> None:
   """Appends one record to a JSONL results file, creating its folder."""
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,7 +225,7 @@ def _ratio_cell(record: dict) -> str:
   if record.get("vs_baseline") is None:
     return "-"
   if record.get("same_as_baseline"):
-    return "same (ranges overlap)"
+    return "same (within noise)"
   return f"{record['vs_baseline']:.2f}x"
 
 
@@ -248,7 +256,9 @@ def _legend(records: Sequence[dict]) -> str:
       "where its working set stays in cache (small leaves and matrices on a CPU). "
       "vs optax: the jitted Optax step's median / this "
       "median, > 1 is faster (where Optax has no such optimizer, the case's named baseline); "
-      "\"same\" where the two min-max ranges overlap: no difference was measured. "
+      "\"same\" where no difference was measured: the two min-max ranges overlap, or the "
+      "medians differ by no more than the baseline moved when timed again after the case's "
+      "other rows (the run-to-run noise). "
       "footprint: argument + output - aliased + temp bytes of the "
       "compiled step (memory_analysis)."
   )
@@ -257,16 +267,46 @@ def _legend(records: Sequence[dict]) -> str:
 def ratio(record: dict, base: dict | None) -> float | None:
   """Baseline time / this time, by the same timing method (else wall clock).
 
-  1.0 where both were timed the same way and their min-max ranges overlap:
-  no difference was measured, whatever the medians say (`overlaps`).
+  1.0 where no difference was measured, whatever the medians say (`same`).
   """
   if base is None or record.get("error") or record.get("kernel") == "interpret":
     return None
-  if overlaps(record, base):
+  if same(record, base):
     return 1.0
+  return _median_ratio(record, base)
+
+
+def _median_ratio(record: dict, base: dict) -> float | None:
   field = "median_ms" if record.get("timing") == base.get("timing") else "wall_median_ms"
   ours, theirs = record.get(field), base.get(field)
   return theirs / ours if ours and theirs else None
+
+
+def noise(base: dict) -> float:
+  """The run-to-run noise of a case: how far its baseline moved when timed again.
+
+  The harness times a case's baseline first and again after the case's other
+  rows (``rerun_median_ms``); the relative difference of the two medians is
+  what the machine alone changed in that time. 0 where it was timed once.
+  """
+  first, again = base.get("median_ms"), base.get("rerun_median_ms")
+  if not first or not again:
+    return 0.0
+  return max(first, again) / min(first, again) - 1.0
+
+
+def same(record: dict, base: dict) -> bool:
+  """Whether a row measured no difference from its baseline.
+
+  True where their min-max ranges overlap (`overlaps`) or their medians differ
+  by no more than the case's run-to-run noise (`noise`).
+  """
+  if record is base or record.get("error"):
+    return False
+  if overlaps(record, base):
+    return True
+  drift, measured = noise(base), _median_ratio(record, base)
+  return measured is not None and drift > 0 and 1 / (1 + drift) <= measured <= 1 + drift
 
 
 def overlaps(record: dict, base: dict) -> bool:
@@ -293,7 +333,7 @@ def attach_ratios(records: list[dict]) -> None:
   for r in records:
     b = base.get(r["case"])
     r["vs_baseline"] = ratio(r, b)
-    r["same_as_baseline"] = b is not None and r["vs_baseline"] is not None and overlaps(r, b)
+    r["same_as_baseline"] = b is not None and r["vs_baseline"] is not None and same(r, b)
 
 
 
