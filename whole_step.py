@@ -314,7 +314,7 @@ def compiler_peak_bytes(compiled) -> int | None:
   target the two agreed to the MiB on the whole steps measured; for a TPU target
   libtpu's ``temp_size_in_bytes`` can exceed the temporary allocation of the
   module's own buffer assignment (``xla_dump_to``), and the two differ
-  (README, "Peak memory, two ways").
+  (docs/guides/whole_step.md, "Peak memory, two ways").
   """
   peak = getattr(compiled.memory_analysis(), "peak_memory_in_bytes", None)
   return peak or None

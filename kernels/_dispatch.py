@@ -31,7 +31,7 @@ carries each platform's choice in its branch; AOT compilation for a
 `jax.experimental.topologies` target chooses by that target's chip. An export
 for a platform with no device of it in the lowering assumes the oldest chip
 of the platform the kernels support (`_target.BASELINE_DEVICE_KIND`); name
-the chip with ``jax.sharding.use_abstract_mesh`` (see the README).
+the chip with ``jax.sharding.use_abstract_mesh`` (docs/guides/implementation.md).
 
 Sharded operands (`pallasopt.kernels._per_shard`). A ``pallas_call`` is never
 partitioned by XLA, so a family marked ``elementwise`` (every element updated

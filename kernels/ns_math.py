@@ -86,7 +86,7 @@ def ns_iterations(
   body needs them. The numbers are the same; what XLA makes of the two
   differs inside a train step: compiled for a TPU v5e, a Llama-shaped
   decoder's whole Muon step moved 2.6% more HBM bytes than Optax's with the
-  steps inline and exactly Optax's as a loop (README, "Whole train step").
+  steps inline and exactly Optax's as a loop (bench/results/compiled/whole-step-muon-v5e.json).
   """
   if preconditioning == "frobenius":
     x = per_matrix(functools.partial(frobenius_scale, eps=eps), x)

@@ -137,7 +137,7 @@ def test_bf16_newton_schulz_compiles_wgmma_on_hopper_only(chip):
 
 
 # Kron's and White-Kron's Triton kernel takes layers of at most 64 per side
-# (README; `test_gpu_kernels_spill_nothing`): the small tree runs it on a GPU,
+# (docs/guides/implementation.md; `test_gpu_kernels_spill_nothing`): the small tree runs it on a GPU,
 # the larger matrices run XLA.
 _TREES = {"matrices": _MUON_TREE, "small": {"w": sds((32, 64)), "b": sds((64,))}}
 

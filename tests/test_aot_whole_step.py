@@ -41,8 +41,8 @@ _INT8_BYTES = {
     # The clip chain: the clip writes the clipped gradients and the kernel
     # reads them back, where XLA's f32 step fuses the clip into the update.
     # Measured at 230dd98: v5e 1.037x, H100 1.046x. These ceilings keep them
-    # there; the issue's 1.005x is not met in this form (README, "Whole
-    # train step": apply_gradients' max_grad_norm is the way that fuses).
+    # there; the issue's 1.005x is not met in this form (docs/guides/whole_step.md:
+    # apply_gradients' max_grad_norm is the way that fuses).
     "clip": {"tpu": 1.05, "cuda": 1.06},
     # `pallasopt.optim.clipped(tx, 1.0)`, the chain's step and state with the
     # clip factor in the kernels, update form, against Optax's chain: on a
@@ -103,7 +103,7 @@ def test_the_whole_step_moves_and_holds_what_the_issue_bounds(chip):
 def test_gradient_accumulation_moves_and_holds_what_the_issue_bounds():
   # `pallasopt.optim.multi_steps` against Optax's MultiSteps (what it is for
   # Optax's AdamW), in the update and fused forms, on a v5e. Optax's
-  # MultiSteps around the int8 kernels moves 1.18x (README): its select after
+  # MultiSteps around the int8 kernels moves 1.18x (whole-step-multi-steps records): its select after
   # the kernels copies the codes they overwrite.
   aot_targets.require("v5e")
   for form, bound in (("multi-steps", _INT8_BYTES["update"]["tpu"]),
@@ -130,8 +130,8 @@ def test_gradient_accumulation_moves_and_holds_what_the_issue_bounds():
 #   bytes but 0.852x the peak (at f6a1aef). Both steps hold the 892 MiB f32
 #   accumulator; the int8 step's temporaries rise 317 MiB more because XLA
 #   schedules the head's weight gradient and the loss after the embedding's
-#   scatter-add, keeping the 250 MiB f32 logits alive at the peak (README,
-#   "Whole train step"): it saves 591 MiB of Optax's peak where the fused
+#   scatter-add, keeping the 250 MiB f32 logits alive at the peak (read in the
+#   compiled module's live ranges): it saves 591 MiB of Optax's peak where the fused
 #   form saves 927.
 # int4 state moves no more bytes than int8 (issue 40).
 # The 36 compiles (20 fused, 16 accumulating) take about 35 minutes on two

@@ -33,7 +33,7 @@ def _factors(batch, shape, kinds):
 
 
 def _kernel_runs(platform, *dims):
-  """1 where the kernel takes a layer of ``dims``: on Triton at most 64 per side (README)."""
+  """1 where the kernel takes a layer of ``dims``: on Triton at most 64 per side (BUILD.md, the compile tier)."""
   return int(platform == "tpu" or max(dims, default=1) <= 64)
 
 

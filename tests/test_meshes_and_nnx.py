@@ -75,7 +75,7 @@ def _unsharded_steps(impl, name):
 
 @pytest.mark.parametrize("impl,name,axis_type", _SHARDED_CASES)
 def test_sharded_steps_equal_the_unsharded_steps(name, axis_type, impl):
-  # The README's sharding example: jax.make_mesh (Explicit axes by default).
+  # The sharding guide's example (docs/guides/sharding.md): jax.make_mesh (Explicit axes by default).
   axis_types = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[axis_type]
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_types,) * 2)
   tx = _OPTIMIZERS[name]()
