@@ -89,11 +89,15 @@ def _torch_optimizers() -> dict[str, tuple[str, Callable[[list], Any], Callable[
 
 
 def _torch_state(optimizer: Any) -> str:
-  """The type and dtype of each state tensor of the optimizer's one param, e.g. ``exp_avg_sq: OptimState8bit``."""
+  """What the optimizer's one param keeps per element: each such state tensor's type or dtype.
+
+  Per-block scales and code maps (smaller than the param) are left out.
+  """
   (state,) = optimizer.state.values()
+  size = low_bit.SPIKE_PARAMS["w"].size
   return ", ".join(
-      f"{k}: {type(v).__name__ if type(v).__name__ != 'Tensor' else v.dtype}"
-      for k, v in sorted(state.items()) if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0)
+      f"{k}: {str(v.dtype).removeprefix('torch.') if type(v).__name__ == 'Tensor' else type(v).__name__}"
+      for k, v in sorted(state.items()) if hasattr(v, "numel") and v.numel() == size)
 
 
 def rows() -> list[dict[str, Any]]:
@@ -129,7 +133,7 @@ def rows() -> list[dict[str, Any]]:
 
 def _versions() -> dict[str, str]:
   found = {}
-  for dist in ("jax", "optax", "torch", "torchao", "bitsandbytes"):
+  for dist in ("pallasopt", "jax", "optax", "torch", "torchao", "bitsandbytes"):
     try:
       found[dist] = importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
