@@ -323,6 +323,19 @@ def apply_gradients(
       back: pallasopt's int8 AdamW in a train step moves 4-7% more bytes
       that way, `pallasopt.whole_step`). The state is ``tx``'s own, not the
       chain's.
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp, pallasopt
+    >>> tx = pallasopt.optim.adamw(1e-3, state_format="int8")
+    >>> params = {"w": jnp.ones((64, 256))}
+    >>> opt_state = tx.init(params)
+    >>> @functools.partial(jax.jit, donate_argnums=(0, 2))
+    ... def step(params, grads, opt_state):
+    ...   return pallasopt.optim.apply_gradients(tx, params, grads, opt_state,
+    ...                                          max_grad_norm=1.0)
+    >>> params, opt_state = step(params, {"w": jnp.full((64, 256), 0.01)}, opt_state)
+    >>> round(float(params["w"][0, 0]), 6)
+    0.999
   """
   scale = None
   if max_grad_norm is not None:

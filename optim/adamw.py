@@ -122,6 +122,19 @@ def adamw(
   Raises:
     ValueError: a concrete hyperparameter out of range or NaN; at update time,
       grads, params and state trees that do not match.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, pallasopt
+    >>> params = {"w": jnp.ones((64, 256))}
+    >>> tx = pallasopt.optim.adamw(1e-3, weight_decay=0.1, state_format="int8")
+    >>> opt_state = tx.init(params)  # Optax's state tree, the moments as codes
+    >>> type(opt_state[0].nu["w"]).__name__, opt_state[0].nu["w"].codes.dtype
+    ('RootBlockwise', dtype('uint8'))
+    >>> grads = {"w": jnp.full((64, 256), 0.01)}
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> round(float(params["w"][0, 0]), 6)  # 1 - lr * (1 + weight_decay)
+    0.9989
   """
   return elementwise_transform(
       _OWNER, learning_rate, weight_decay, mask, mu_dtype, impl,

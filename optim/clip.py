@@ -53,6 +53,15 @@ def clipped(tx: optax.GradientTransformation, max_norm: float) -> optax.Gradient
   Returns:
     An Optax transform (a `FusedGradientTransformation` when ``tx`` is a
     pallasopt transform).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, pallasopt
+    >>> params = {"w": jnp.ones((64, 256))}
+    >>> tx = pallasopt.optim.clipped(pallasopt.optim.adamw(1e-3), 1.0)
+    >>> chain = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    >>> state = tx.init(params)  # the chain's state: they swap in a checkpoint
+    >>> jax.tree.structure(state) == jax.tree.structure(chain.init(params))
+    True
   """
   v.check_hyperparameter("clipped", "max_norm", max_norm)
   if not max_norm > 0:

@@ -73,6 +73,19 @@ def multi_steps(
 
   Returns:
     An Optax transform (a `FusedGradientTransformation` when ``tx`` is gated).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, pallasopt
+    >>> params = {"w": jnp.ones((64, 256))}
+    >>> grads = {"w": jnp.full((64, 256), 0.01)}
+    >>> tx = pallasopt.optim.multi_steps(pallasopt.optim.adamw(1e-3, state_format="int8"), 2)
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)  # accumulates: no step
+    >>> float(abs(updates["w"]).max())
+    0.0
+    >>> updates, state = tx.update(grads, state, params)  # steps on the mean
+    >>> round(float(abs(updates["w"]).max()), 4)
+    0.001
   """
   reference = optax.MultiSteps(
       tx, every_k_schedule, use_grad_mean, should_skip_update_fn, accumulator_dtype)

@@ -137,6 +137,17 @@ def convert_state(
   Raises:
     ValueError: for an unknown ``state_format``, ``mu_dtype`` with a low-bit
       format, or moments whose tree or shapes differ from ``params``'.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, pallasopt
+    >>> params = {"w": jnp.ones((64, 256))}
+    >>> optax_state = optax.adamw(1e-3).init(params)
+    >>> low_bit = pallasopt.optim.convert_state(optax_state, params, "int8")
+    >>> type(low_bit[0].mu["w"]).__name__
+    'Int8RatioBlockwise'
+    >>> back = pallasopt.optim.convert_state(low_bit, params, None)
+    >>> jax.tree.structure(back) == jax.tree.structure(optax_state)
+    True
   """
   mu_dtype = v.optional_dtype(_OWNER, "mu_dtype", mu_dtype)
   check_state_format(_OWNER, state_format)

@@ -4,6 +4,7 @@ The README and every page under docs/ are checked here; CI also builds the
 docs with warnings as errors (BUILD.md).
 """
 
+import doctest
 import importlib
 import os
 import pathlib
@@ -79,6 +80,35 @@ def test_the_api_reference_lists_every_public_name(module):
   listed = set(re.findall(r"^   (\w+)$", page, re.M)) | set(re.findall(r"py:data:: (\w+)", page))
   public = set(importlib.import_module(f"pallasopt.{module}").__all__)
   assert public <= listed, f"missing from docs/api/{module}.md: {sorted(public - listed)}"
+
+
+def _documented_examples() -> list[tuple[str, str]]:
+  found = []
+  for module in ("optim", "pipeline", "kernels"):
+    mod = importlib.import_module(f"pallasopt.{module}")
+    found += [(module, name) for name in mod.__all__
+              if ">>>" in (getattr(getattr(mod, name), "__doc__", None) or "")]
+  return found
+
+
+_EXAMPLES = _documented_examples()
+
+
+def test_the_main_entry_points_show_an_example():
+  shown = {name for _, name in _EXAMPLES}
+  assert {"adamw", "apply_gradients", "clipped", "multi_steps", "convert_state"} <= shown
+
+
+@pytest.mark.parametrize("module,name", _EXAMPLES)
+def test_a_docstring_example_runs_as_written(module, name):
+  # Each example runs alone (no module globals), as a user pastes it.
+  obj = getattr(importlib.import_module(f"pallasopt.{module}"), name)
+  tests = doctest.DocTestFinder(recurse=False).find(obj, name, globs={})
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  report = []
+  for test in tests:
+    runner.run(test, out=report.append)
+  assert runner.tries > 0 and runner.failures == 0, "".join(report)
 
 
 def test_the_readme_is_a_front_door():
