@@ -252,6 +252,19 @@ def _low_bit_stability() -> tuple[str, list[pathlib.Path]]:
   return _table(header, rows), [path]
 
 
+def _low_bit_libraries() -> tuple[str, list[pathlib.Path]]:
+  path = RESULTS / "low-bit-libraries.json"
+  record = _record(path)
+  columns = (("spike", "spike, 20 steps"), ("long_spike", "spike, 200 steps"),
+             ("random_signs", "random signs"), ("vanishing", "vanishing"),
+             ("sparse_bursts", "sparse bursts"))
+  rows = [[f"`{r['optimizer']}`", f"{r['library']} {record[r['library']]}", r["stores"]]
+          + [f"{r[f'{key}_largest_update_over_lr']:.3g}" for key, _ in columns]
+          for r in record["rows"]]
+  header = ["AdamW, lr 1e-3", "version", "state per element"] + [label for _, label in columns]
+  return _table(header, rows), [path]
+
+
 def _caption(kind: str, paths: Sequence[pathlib.Path], what: str) -> str:
   return f"{what} {kind} Records: {_where(paths)}."
 
@@ -283,6 +296,12 @@ FIGURES: dict[str, tuple[Callable[[], tuple[str, list[pathlib.Path]]], str, str]
                              "decoder, median of 20 steps: time against Optax's AdamW in the "
                              "same form.", "Measured on an NVIDIA H100 80GB HBM3 (jax 0.11.2), "
                              "before int8 state moved to the e3m4 map."),
+    "low-bit-libraries": (_low_bit_libraries, "Largest single update / lr of each library's "
+                          "low-bit AdamW on the same gradients (`python -m "
+                          "bench.low_bit_libraries`: one 16 x 256 leaf; the spike test's "
+                          "magnitudes span 1 to 1e-6 in every block; random signs, vanishing "
+                          "and sparse gradients over 1 to 1e-8).", "Measured on a CPU: each "
+                          "library's own math."),
     "low-bit-stability": (_low_bit_stability, "Largest single AdamW update of each state "
                           "format on the same gradients (`python -m bench.low_bit`: a 16 x 256 "
                           "leaf with magnitudes from 1 to 1e-6 in every block, 20 and 200 "
