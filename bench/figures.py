@@ -335,22 +335,28 @@ def updated(text: str, where: str = "page") -> str:
   return _FIGURE.sub(one, text)
 
 
+def stale_pages() -> dict[pathlib.Path, str]:
+  """Each page whose figures differ from their rendering from the records, with its new text."""
+  stale = {}
+  for page in pages():
+    text = page.read_text()
+    new = updated(text, str(page.relative_to(ROOT)))
+    if new != text:
+      stale[page] = new
+  return stale
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--check", action="store_true",
                  help="change nothing; exit 1 where a page's figures differ from the records")
   args = p.parse_args(argv)
-  stale = []
-  for page in pages():
-    text = page.read_text()
-    new = updated(text, str(page.relative_to(ROOT)))
-    if new != text:
-      stale.append(page.relative_to(ROOT))
-      if not args.check:
-        page.write_text(new)
-  verb = "differ from their records" if args.check else "rewritten"
-  for page in stale:
-    print(f"{page}: figures {verb}")
+  stale = stale_pages()
+  for page, new in stale.items():
+    if not args.check:
+      page.write_text(new)
+    verb = "differ from their records" if args.check else "rewritten"
+    print(f"{page.relative_to(ROOT)}: figures {verb}")
   return 1 if (stale and args.check) else 0
 
 

@@ -415,7 +415,7 @@ def run(
       ceilings[case.key] = c
 
   base = rec.baselines(done.values())
-  timed_baseline: dict[str, tuple] = {}  # case -> how its baseline was timed in this run
+  timed_baseline: dict[str, Callable[..., dict]] = {}  # case -> its baseline's timing, again
   for i, (case, impl, k, kernel, key) in enumerate(todo, 1):
     record = {
         "schema": SCHEMA, "key": key, "case": case.key, "family": case.family,

@@ -67,8 +67,8 @@ def torch_largest_updates(
   return np.asarray(out), optimizer
 
 
-def _torch_optimizers() -> dict[str, tuple[str, Callable[[list], Any], Callable[[Any], str]]]:
-  """name -> (library, factory, what its state stores)."""
+def _torch_optimizers() -> dict[str, tuple[str, Callable[[list], Any]]]:
+  """name -> (library, factory of the optimizer of a list of params)."""
   import bitsandbytes  # noqa: PLC0415
   import torch  # noqa: PLC0415
   from torchao import optim as torchao_optim  # noqa: PLC0415
@@ -76,15 +76,13 @@ def _torch_optimizers() -> dict[str, tuple[str, Callable[[list], Any], Callable[
   lr = low_bit.LR
   return {
       "torch.optim.AdamW (f32)": (
-          "torch", lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.0), _torch_state),
+          "torch", lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.0)),
       "torchao AdamW8bit": (
-          "torchao", lambda p: torchao_optim.AdamW8bit(p, lr=lr, weight_decay=0.0), _torch_state),
+          "torchao", lambda p: torchao_optim.AdamW8bit(p, lr=lr, weight_decay=0.0)),
       "torchao AdamW4bit": (
-          "torchao", lambda p: torchao_optim.AdamW4bit(p, lr=lr, weight_decay=0.0), _torch_state),
+          "torchao", lambda p: torchao_optim.AdamW4bit(p, lr=lr, weight_decay=0.0)),
       "bitsandbytes AdamW8bit": (
-          "bitsandbytes",
-          lambda p: bitsandbytes.optim.AdamW8bit(p, lr=lr, weight_decay=0.0),
-          _torch_state),
+          "bitsandbytes", lambda p: bitsandbytes.optim.AdamW8bit(p, lr=lr, weight_decay=0.0)),
   }
 
 
@@ -110,9 +108,9 @@ def rows() -> list[dict[str, Any]]:
       'pallasopt adamw, state_format="int4"': (
           "pallasopt", pallasopt.optim.adamw(low_bit.LR, state_format="int4")),
   }
+  blockwise = pallasopt.kernels.quant.is_blockwise
   for name, (library, tx) in jax_optimizers.items():
     state = jax.eval_shape(tx.init, low_bit.SPIKE_PARAMS)
-    blockwise = pallasopt.kernels.quant.is_blockwise
     stored = sorted({type(x).__name__ if blockwise(x) else str(x.dtype)
                      for x in jax.tree.leaves(state, is_leaf=blockwise)
                      if blockwise(x) or x.shape != ()})
@@ -121,12 +119,12 @@ def rows() -> list[dict[str, Any]]:
       row[f"{label}_largest_update_over_lr"] = float(
           low_bit.largest_updates(tx, grads()).max())
     out.append(row)
-  for name, (library, make, stores) in _torch_optimizers().items():
+  for name, (library, make) in _torch_optimizers().items():
     row = {"optimizer": name, "library": library}
     for label, grads in SEQUENCES.items():
       updates, optimizer = torch_largest_updates(make, grads())
       row[f"{label}_largest_update_over_lr"] = float(updates.max())
-    row["stores"] = stores(optimizer)
+    row["stores"] = _torch_state(optimizer)
     out.append(row)
   return out
 

@@ -108,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
     paths = sorted(folder.glob("*.jsonl"))
   if not paths:
     p.error("no JSONL results found; run `python -m bench` first or pass --in")
+
   def read(files):
     records = bench_records.latest(r for path in files for r in bench_records.load_records(path))
     bench_records.attach_ratios(records)
