@@ -152,7 +152,6 @@ def _kernel(
     # A Triton block is one run of `width` columns (`_plan`).
     mask = (row < rows) & (col(0) < cols)
     column_mask = first_row + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0) < rows
-    row_mask = first_row + jax.lax.broadcasted_iota(jnp.int32, (1, block_rows), 1) < rows
     # Bytes of 4-bit codes: blockwise blocks are whole blocks of columns, so
     # only rows are masked.
     byte_mask = first_row + jax.lax.broadcasted_iota(
@@ -167,8 +166,6 @@ def _kernel(
         return codecs.from_nibbles(pltriton.load(r, mask=byte_mask, other=0).astype(jnp.int32))
       if i not in block_inputs:
         return _value(pltriton.load(r, mask=mask, other=other))
-      if in_place:  # one value per row, stored as a (1, block_rows) row
-        return pltriton.load(r, mask=row_mask, other=0).astype(jnp.float32).reshape(-1, 1)
       return pltriton.load(r, mask=column_mask, other=0).astype(jnp.float32)
 
     values = body(scalars, *(load(i, r) for i, r in enumerate(in_refs)), **extra(0))
@@ -179,8 +176,6 @@ def _kernel(
       value = value.astype(ref.dtype)
       if k not in block_outputs:
         pltriton.store(ref, value, mask=mask)
-      elif in_place:
-        pltriton.store(ref, value.reshape(1, -1), mask=row_mask)
       else:
         pltriton.store(ref, value, mask=column_mask)
     return
@@ -343,24 +338,38 @@ def elementwise_call(
   block = pl.BlockSpec((None, block_rows, block_cols), lambda b, i, j: (b, i, j))
   bytes_view = (p, r, c // 2)
   byte_block = pl.BlockSpec((None, block_rows, block_cols // 2), lambda b, i, j: (b, i, j))
-  if in_place:  # the scales' layout: (P, runs per row, R)
+  # Per-block values are stored in the moment's own dims, the last counted in
+  # blocks (`quant.scales_shape`). A TPU kernel over a matrix in place reads
+  # them as rows, one per run of 256 columns, (P, blocks per row, R): the
+  # rows along the lanes, which Mosaic tiles without padding; XLA stores such
+  # a narrow (..., R, blocks per row) array column-major, so the swap costs
+  # no copy there. Every other kernel reads them in the stored order, one
+  # value per row of its block: (P, R, blocks per row) in place (Triton's
+  # blocks are one block wide), (P, R, 1) for rows of one block.
+  scales_as_rows = in_place and backend == "tpu"
+  if scales_as_rows:
     per_block_view = (p, c // quant.BLOCK, r)
     per_block = pl.BlockSpec(
         (None, block_cols // quant.BLOCK, block_rows), lambda b, i, j: (b, j, i)
     )
-  else:  # rows of one block: one value per row
+  elif in_place:
+    per_block_view = (p, r, c // quant.BLOCK)
+    per_block = pl.BlockSpec(
+        (None, block_rows, block_cols // quant.BLOCK), lambda b, i, j: (b, i, j)
+    )
+  else:
     per_block_view = (p, r, 1)
     per_block = pl.BlockSpec((None, block_rows, 1), lambda b, i, j: (b, i, 0))
   scales_layout = quant.scales_shape(shape)
 
   def to_view(x):
-    if not in_place and quant.rows_hold_blocks(shape):  # rows last -> blocks in flat order
-      x = jnp.swapaxes(x, -1, -2)
+    if scales_as_rows:
+      return jnp.swapaxes(x.reshape(p, r, c // quant.BLOCK), -1, -2)
     return x.reshape(per_block_view)
 
   def from_view(x):
-    if not in_place and quant.rows_hold_blocks(shape):
-      return jnp.swapaxes(x.reshape(scales_layout[:-2] + scales_layout[:-3:-1]), -1, -2)
+    if scales_as_rows:
+      x = jnp.swapaxes(x, -1, -2)
     return x.reshape(scales_layout)
 
   scalar_vec, scalar_spec = scalar_input(scalars, backend)

@@ -108,7 +108,7 @@ __all__ = [
     "scales_shape",
     "scales_spec",
     "rows_hold_blocks",
-    "from_row_major_scales",
+    "from_transposed_scales",
     "check_scales",
     "saturates_outliers",
     "to_stored",
@@ -218,9 +218,8 @@ class Int8Blockwise(NamedTuple):
       absmax`` (`pallasopt.kernels.codecs`).
     e3m4_scales: f32, the absmax of each block of `BLOCK` elements, shaped by
       `scales_shape`: for a matrix whose rows hold whole blocks,
-      ``(..., blocks per row, rows)``, the layout a TPU stores without
-      padding, so a kernel reads the scales as they are and they shard like
-      the params' rows.
+      ``(..., rows, blocks per row)``, so that they shard under the param's
+      own `PartitionSpec`.
   """
 
   e3m4_codes: jax.Array
@@ -358,21 +357,22 @@ def rows_hold_blocks(shape: tuple[int, ...]) -> bool:
 def scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
   """The shape of the per-block scales of a moment of ``shape``.
 
-  Rows of whole blocks (`rows_hold_blocks`): ``shape[:-2] + (shape[-1] //
-  BLOCK, shape[-2])``, the blocks of each row along the second-last axis and
-  the rows along the last (a TPU tiles the last two dims by (8, 128): the
-  other order would pad a few blocks per row to 128 lanes, and XLA would lay
-  it out column-major). Otherwise ``shape[:k] + (blocks,)`` with ``k`` the
-  most leading dims whose trailing product is a whole number of blocks, and
-  ``(ceil(size / BLOCK),)`` when no trailing product is (the last block is
-  then ragged).
+  Rows of whole blocks (`rows_hold_blocks`): ``shape[:-1] + (shape[-1] //
+  BLOCK,)``, the moment's own dims with the last one counted in blocks, so
+  that the param's `PartitionSpec` splits the scales as it splits the codes
+  wherever each shard holds whole blocks (the convention of trainers that
+  give every array of a param's state the param's spec). Otherwise
+  ``shape[:k] + (blocks,)`` with ``k`` the most leading dims whose trailing
+  product is a whole number of blocks, and ``(ceil(size / BLOCK),)`` when no
+  trailing product is (the last block is then ragged).
 
-  A state saved before 2026-11-25 holds such rows' scales as
-  ``shape[:-1] + (shape[-1] // BLOCK,)``: ``pallasopt.optim.convert_state(...,
-  legacy_scales=True)`` converts it (`from_row_major_scales`).
+  From 2026-11-25 until this layout (2026-12-07) such rows' scales were laid
+  out ``shape[:-2] + (shape[-1] // BLOCK, shape[-2])``:
+  ``pallasopt.optim.convert_state(..., legacy_scales=True)`` converts them
+  (`from_transposed_scales`).
   """
   if rows_hold_blocks(shape):
-    return tuple(shape[:-2]) + (shape[-1] // BLOCK, shape[-2])
+    return tuple(shape[:-1]) + (shape[-1] // BLOCK,)
   for k in range(len(shape), 0, -1):
     tail = math.prod(shape[k - 1 :])
     if tail % BLOCK == 0:
@@ -393,10 +393,10 @@ def scales_spec(
   declares (`pallasopt.pipeline.optimizer_state_specs`): a shard holds the
   scales of the blocks its codes hold.
 
-  Rows of whole blocks (scales ``(..., blocks per row, rows)``): the leading
-  dims and the rows split like the moment's; the blocks axis splits like its
-  columns where every column shard holds whole blocks, which takes the mesh's
-  ``axis_sizes`` to know, and is whole otherwise. Other layouts (scales
+  Rows of whole blocks (scales ``(..., rows, blocks per row)``): the
+  moment's spec, but for the blocks axis, which splits like the columns where
+  every column shard holds whole blocks (which takes the mesh's
+  ``axis_sizes`` to know) and is whole otherwise. Other layouts (scales
   ``shape[:k] + (blocks,)``): the ``k`` leading dims split like the moment's
   and the blocks axis is whole.
 
@@ -422,8 +422,7 @@ def scales_spec(
       whole = shape[-1] % (shards * BLOCK) == 0
     if exact and not whole:
       return None
-    return jax.sharding.PartitionSpec(
-        *entries[:-2], entries[-1] if whole else None, entries[-2])
+    return jax.sharding.PartitionSpec(*entries[:-1], entries[-1] if whole else None)
   leading = len(scales) - 1
   if tuple(scales[:leading]) != tuple(shape[:leading]):
     leading = 0
@@ -491,21 +490,18 @@ def _block_rows(x):
   """``x`` as rows of one block each, in the order of its scales (`scales_shape`) + (BLOCK,).
 
   Whole blocks keep the leading dims (and their sharding); rows of whole
-  blocks split as `scales_spec` splits their scales (the blocks like the
-  columns where each column shard holds whole blocks: no data moves), so
-  that the scales come out in the one layout the kernels and the state specs
-  use; a ragged last block is zero-padded (which changes no absmax).
+  blocks split their last dim into blocks, which split as `scales_spec`
+  splits the scales (like the columns where each column shard holds whole
+  blocks: no data moves); a ragged last block is zero-padded (which changes
+  no absmax).
   """
   if rows_hold_blocks(x.shape):
-    *lead, rows, cols = x.shape
     sharding = _sharding(x)
     if sharding is not None:
-      *outer, blocks, rows_axes = scales_spec(
-          x.shape, sharding.spec, dict(sharding.mesh.shape), exact=False)
+      spec = scales_spec(x.shape, sharding.spec, dict(sharding.mesh.shape), exact=False)
       sharding = jax.sharding.NamedSharding(
-          sharding.mesh, jax.sharding.PartitionSpec(*outer, rows_axes, blocks, None))
-    split = _reshape(x, (*lead, rows, cols // BLOCK, BLOCK), sharding)
-    return jnp.swapaxes(split, -2, -3)
+          sharding.mesh, jax.sharding.PartitionSpec(*spec, None))
+    return _reshape(x, scales_shape(x.shape) + (BLOCK,), sharding)
   blocks = scales_shape(x.shape)
   size = math.prod(x.shape)
   if size % BLOCK:
@@ -516,8 +512,6 @@ def _block_rows(x):
 
 def _from_block_rows(rows, like):
   """The inverse of `_block_rows`: ``like``'s shape and sharding."""
-  if rows_hold_blocks(like.shape):
-    return _reshape(jnp.swapaxes(rows, -2, -3), like.shape, _sharding(like))
   size = math.prod(like.shape)
   if size % BLOCK:
     flat = _reshape(rows, (rows.size,), _sharding(rows, 0))
@@ -607,36 +601,37 @@ def legacy_second_moment(q: DynamicInt8Blockwise | Fp8Blockwise) -> jax.Array:
   return _from_block_rows(decode(rows, False) * q.scales[..., None], q.codes)
 
 
-_LEGACY_LAYOUT = "2026-11-25"
-
-
 def check_scales(q: Blockwise) -> None:
   """Raises a ValueError unless ``q``'s scales have the shape `scales_shape` gives its codes."""
   shape, got = tuple(q.codes.shape), tuple(q.scales.shape)
   if got == scales_shape(shape):
     return
-  legacy = rows_hold_blocks(shape) and got == shape[:-1] + (shape[-1] // BLOCK,)
+  transposed = rows_hold_blocks(shape) and got == _transposed_scales_shape(shape)
   raise ValueError(
       f"blockwise scales of shape {got} do not fit codes of shape {shape}: expected "
       f"{scales_shape(shape)}."
-      + (f" A state saved before {_LEGACY_LAYOUT} keeps them as {got}: convert it with "
-         "pallasopt.optim.convert_state(opt_state, params, state_format, legacy_scales=True)."
-         if legacy else "")
+      + (" A state saved from 2026-11-25 until 2026-12-07 keeps them as "
+         f"{got}: convert it with pallasopt.optim.convert_state(opt_state, params, "
+         "state_format, legacy_scales=True)." if transposed else "")
   )
 
 
-def from_row_major_scales(q: Blockwise) -> Blockwise:
-  """A blockwise moment saved before 2026-11-25, in the current layout.
+def _transposed_scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+  return tuple(shape[:-2]) + (shape[-1] // BLOCK, shape[-2])
 
-  Until then a matrix whose rows hold whole blocks kept its scales as
-  ``shape[:-1] + (blocks per row,)``; `scales_shape` now puts the rows last,
-  and other scales are unchanged. (The shapes alone cannot tell the layouts
-  apart when a matrix has as many rows as blocks per row, hence a function
-  that is only called on a state known to be that old.) Scales that fit
-  neither layout are a ValueError.
+
+def from_transposed_scales(q: Blockwise) -> Blockwise:
+  """A blockwise moment saved from 2026-11-25 until 2026-12-07, in the current layout.
+
+  In that time a matrix whose rows hold whole blocks kept its scales as
+  ``shape[:-2] + (blocks per row, rows)``; `scales_shape` now keeps the
+  moment's own dims, and other scales are unchanged. (The shapes alone
+  cannot tell the layouts apart when a matrix has as many rows as blocks per
+  row, hence a function that is only called on a state known to be from
+  then.) Scales that fit neither layout are a ValueError.
   """
   shape = tuple(q.codes.shape)
-  if rows_hold_blocks(shape) and tuple(q.scales.shape) == shape[:-1] + (shape[-1] // BLOCK,):
+  if rows_hold_blocks(shape) and tuple(q.scales.shape) == _transposed_scales_shape(shape):
     return type(q)(q.codes, jnp.swapaxes(q.scales, -1, -2))
   check_scales(q)
   return q

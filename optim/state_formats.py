@@ -123,11 +123,12 @@ def convert_state(
       as an array (as the transform's ``mu_dtype``; default the params' dtype
       for ``None``, bfloat16 for ``"bf16"``, float32 for the leaves a blockwise
       format keeps as arrays).
-    legacy_scales: ``opt_state`` was saved by pallasopt before 2026-11-25
-      with 8-bit or fp8 moments: a matrix whose rows hold whole blocks kept
-      its scales as ``(..., rows, blocks per row)``, now ``(..., blocks per
-      row, rows)`` (`pallasopt.kernels.quant.scales_shape`). A moment in the
-      old layout loaded without this flag is a ValueError that names it.
+    legacy_scales: ``opt_state`` was saved by pallasopt from 2026-11-25 until
+      2026-12-07 with blockwise moments: a matrix whose rows hold whole blocks
+      kept its scales as ``(..., blocks per row, rows)``, now ``(..., rows,
+      blocks per row)`` (`pallasopt.kernels.quant.scales_shape`; states saved
+      before 2026-11-25 had today's layout). A moment in the old layout
+      loaded without this flag is a ValueError that names it.
 
   Returns:
     The state, the same tree except for the moments' storage: what
@@ -153,7 +154,7 @@ def convert_state(
   check_state_format(_OWNER, state_format)
 
   def current(moment):
-    return quant.from_row_major_scales(moment) if legacy_scales and is_quantized(moment) else moment
+    return quant.from_transposed_scales(moment) if legacy_scales and is_quantized(moment) else moment
 
   def convert_node(node):
     if type(node) not in _MOMENTS:
@@ -217,7 +218,11 @@ def legacy_state_structure(
     target = pallasopt.optim.legacy_state_structure(
         jax.eval_shape(tx.init, params), "int8", saved_before="2026-12-07")
     old = checkpointer.restore(path, target)
-    opt_state = pallasopt.optim.convert_state(old, params, "int8")
+    opt_state = pallasopt.optim.convert_state(old, params, "int8", legacy_scales=True)
+
+  Every state saved before 2026-12-07 also holds a matrix's scales as
+  ``(..., blocks per row, rows)``: the tree gives them so, and
+  ``legacy_scales=True`` converts them.
 
   The changes (each renamed the fields it touched, so that an old checkpoint
   does not restore into a new state unnoticed: orbax names the missing path,
@@ -245,6 +250,14 @@ def legacy_state_structure(
     )
   fp8 = state_format == "fp8"
 
+  def saved(cls, codes, node):
+    # Until 2026-12-07 a matrix's scales were laid out (..., blocks per row, rows).
+    shape, scales = tuple(node.codes.shape), node.scales
+    if quant.rows_hold_blocks(shape):
+      scales = jax.ShapeDtypeStruct(shape[:-2] + (shape[-1] // quant.BLOCK, shape[-2]),
+                                    scales.dtype)
+    return cls(codes, scales)
+
   def codes_like(node):
     codes = node.codes
     return jax.ShapeDtypeStruct(codes.shape, jnp.float8_e4m3fn if fp8 else jnp.uint8,
@@ -256,12 +269,11 @@ def legacy_state_structure(
     role = quant.role_of(node)
     if saved_before == "2026-12-07":
       if role == quant.ROOT:
-        return node
+        return saved(type(node), node.codes, node)
       cls = quant.RatioBlockwise if role == quant.RATIO else quant.DynamicInt8Blockwise
-      return cls(codes_like(node), node.scales)
+      return saved(cls, codes_like(node), node)
     if fp8 and role == quant.SIGNED:
-      return node
-    return (quant.Fp8Blockwise if fp8 else quant.DynamicInt8Blockwise)(
-        codes_like(node), node.scales)
+      return saved(type(node), node.codes, node)
+    return saved(quant.Fp8Blockwise if fp8 else quant.DynamicInt8Blockwise, codes_like(node), node)
 
   return jax.tree.map(legacy, opt_state, is_leaf=is_quantized)

@@ -299,7 +299,7 @@ def test_state_layout_and_bytes_per_param(make):
   for moment, kind in zip(moments, kinds, strict=True):
     assert isinstance(moment["w"], kind) and isinstance(moment["e"], kind)
     code_dtype = jnp.uint8 if kind is RootBlockwise else jnp.int8
-    assert moment["w"].codes.dtype == code_dtype and moment["w"].scales.shape == (1, 48)
+    assert moment["w"].codes.dtype == code_dtype and moment["w"].scales.shape == (48, 1)
     assert moment["b"].dtype == jnp.float32 and moment["h"].dtype == jnp.float16
   big = {k: params[k] for k in ("w", "e")}
   per_param = _state_bytes(make(1e-3, state_format="int8").init(big)[0][1:]) / sum(
@@ -456,7 +456,8 @@ def test_adafactor_momentum_in_low_bit_formats(fmt, impl):
 
 
 def test_a_state_saved_in_the_old_scales_layout_converts_or_fails_clearly():
-  # Before 2026-11-25 rows of whole blocks kept their scales as (rows, blocks).
+  # From 2026-11-25 until 2026-12-07 rows of whole blocks kept their scales as
+  # (blocks, rows).
   params = _params()
   tx = pallasopt.optim.adamw(1e-3, state_format="int8")
   state = tx.init(params)
@@ -536,12 +537,14 @@ def test_sharding_specs_and_a_sharded_step(fmt):
   state_specs = optimizer_state_specs(shapes, params, specs, mesh=mesh)
   mu, nu = state_specs[0].mu, state_specs[0].nu
   ratio = quant.blockwise_class(quant.RATIO, fmt)
-  assert mu["w"] == ratio(P("data"), P(None, "data"))  # scales (1, 64)
-  assert nu["w"] == RootBlockwise(P("data"), P(None, "data"))
-  assert mu["v"] == ratio(P(None, "data"), P())  # scales (8, 48)
+  # The scales keep their param's dims (the last counted in blocks), so they
+  # take its spec wherever each shard holds whole blocks.
+  assert mu["w"] == ratio(P("data"), P("data"))  # scales (64, 1)
+  assert nu["w"] == RootBlockwise(P("data"), P("data"))
+  assert mu["v"] == ratio(P(None, "data"), P())  # scales (8, 48): blocks across rows
   assert mu["b"] == P()
-  # Scales (4, 64): each shard of 256 columns holds one block per row.
-  assert mu["c"] == ratio(P(None, "data"), P("data"))
+  # Scales (64, 4): each shard of 256 columns holds one block per row.
+  assert mu["c"] == ratio(P(None, "data"), P(None, "data"))
   # Without a mesh no one knows whether a shard holds whole blocks.
   unknown = optimizer_state_specs(shapes, params, specs)[0].mu["c"]
   assert unknown == ratio(P(None, "data"), P())
@@ -564,6 +567,34 @@ def test_sharding_specs_and_a_sharded_step(fmt):
   got = jax.jit(tx.apply_gradients)(shard(params, specs), shard(grads, specs), sharded_state)
   assert all(laid_out(got[1]))
   _assert_same(jax.device_get(got), jax.device_get(want), "sharded")
+
+
+@pytest.mark.parametrize("impl", ["auto", "interpret"])
+def test_every_array_of_a_moment_takes_its_params_spec(impl):
+  # Trainers (MaxText) shard a state by giving every array of a params-shaped
+  # subtree its param's spec. Here the MLP output of two scanned layers with
+  # the layer axis second, split over its columns (256 a shard: whole blocks).
+  params = {"wo": jnp.ones((64, 2, 1024)), "b": jnp.ones(64)}
+  specs = {"wo": P(None, None, "data"), "b": P()}
+  tx = pallasopt.optim.adamw(1e-3, state_format="int8", impl=impl)
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  state_specs = optimizer_state_specs(jax.eval_shape(tx.init, params), params, specs, mesh=mesh)
+  for moment in (state_specs[0].mu["wo"], state_specs[0].nu["wo"]):
+    assert moment.codes == specs["wo"] and moment.scales == specs["wo"]
+  grads = _grads(params, 0)
+  want = jax.jit(tx.apply_gradients)(params, grads, tx.init(params))
+  with_param_specs = lambda state: jax.tree.map(
+      lambda m, p: jax.tree.map(
+          lambda x: jax.device_put(x, NamedSharding(mesh, specs[p])), m)
+      if quant.is_blockwise(m) else m, state, {"wo": "wo", "b": "b"},
+      is_leaf=quant.is_blockwise)
+  state = tx.init(params)
+  state = (state[0]._replace(mu=with_param_specs(state[0].mu), nu=with_param_specs(state[0].nu)),
+           *state[1:])
+  shard = lambda tree: jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+  got = jax.jit(tx.apply_gradients)(shard(params), shard(grads), state)
+  _assert_same(jax.device_get(got), jax.device_get(want), "sharded by the params' specs")
 
 
 @pytest.mark.parametrize("name,config", [
@@ -739,7 +770,11 @@ def _saved_before_2026_11_26(state):
 
 
 def _on_the_dynamic_map(x, signed, cls=DynamicInt8Blockwise):
-  """A (48, 256) moment on the dynamic map (a block a row), codes to nearest, as ``cls``."""
+  """A (48, 256) moment on the dynamic map (a block a row), codes to nearest, as ``cls``.
+
+  Its scales are laid out (blocks per row, rows), as every state saved before
+  2026-12-07 held them.
+  """
   absmax = np.abs(np.asarray(x)).max(axis=1, keepdims=True)
   codes = codecs.encode(jnp.asarray(np.asarray(x) / absmax), signed)
   return cls(codes.astype(jnp.uint8), jnp.asarray(absmax.T))
@@ -752,7 +787,8 @@ def _saved_before_2026_12_07(state):
   root = jnp.sqrt(adam.nu["w"])
   ratio = quant.to_stored(adam.mu["w"], quant.RATIO, root)
   mu = {**adam.mu, "w": _on_the_dynamic_map(ratio, True, RatioBlockwise)}
-  nu = {**adam.nu, "w": quant.quantize(adam.nu["w"], role=quant.ROOT)}
+  root_codes = quant.quantize(adam.nu["w"], role=quant.ROOT)
+  nu = {**adam.nu, "w": quant.RootBlockwise(root_codes.codes, root_codes.scales.T)}
   return (adam._replace(mu=mu, nu=nu), *state[1:])
 
 
@@ -792,12 +828,13 @@ def test_an_int8_state_saved_on_the_dynamic_map_converts_or_fails_clearly(tmp_pa
   abstract = jax.eval_shape(tx.init, params)
   restored = _restores_only_into_its_own_tree(
       old, tmp_path / "old", abstract, "e3m4_ratio_codes", "2026-12-07")
-  converted = pallasopt.optim.convert_state(restored, params, "int8")
+  converted = pallasopt.optim.convert_state(restored, params, "int8", legacy_scales=True)
   assert jax.tree.structure(converted) == jax.tree.structure(abstract)
   np.testing.assert_array_equal(converted[0].nu["w"].codes, old[0].nu["w"].codes)  # kept
   # The first moment the old codes held, re-encoded to nearest on the e3m4 map.
-  root = quant.stored_values(old[0].nu["w"])
-  want_m = np.asarray(quant.dequantize(old[0].mu["w"], root=root), np.float64)
+  old_mu, old_nu = (quant.from_transposed_scales(old[0].mu["w"]),
+                    quant.from_transposed_scales(old[0].nu["w"]))
+  want_m = np.asarray(quant.dequantize(old_mu, root=quant.stored_values(old_nu)), np.float64)
   back = pallasopt.optim.convert_state(converted, params, None)[0]
   want_v = np.asarray(back.nu["w"], np.float64)  # the root, decoded as it was
   assert _pair_error(np.asarray(back.mu["w"]), want_v, want_m, want_v).all()
@@ -815,12 +852,13 @@ def test_a_state_saved_on_the_old_second_moment_map_converts_or_fails_clearly(tm
   abstract = jax.eval_shape(tx.init, params)
   restored = _restores_only_into_its_own_tree(
       old, tmp_path / "old", abstract, "ratio_codes", "2026-11-26")
-  converted = pallasopt.optim.convert_state(restored, params, "int8")
+  converted = pallasopt.optim.convert_state(restored, params, "int8", legacy_scales=True)
   assert jax.tree.structure(converted) == jax.tree.structure(abstract)
   # The converted moments hold what the old codes did (both to nearest).
   back = pallasopt.optim.convert_state(converted, params, None)[0]
-  want_m = np.asarray(quant.dequantize(old[0].mu["w"]), np.float64)
-  want_v = np.asarray(quant.legacy_second_moment(old[0].nu["w"]), np.float64)
+  want_m = np.asarray(quant.dequantize(quant.from_transposed_scales(old[0].mu["w"])), np.float64)
+  want_v = np.asarray(
+      quant.legacy_second_moment(quant.from_transposed_scales(old[0].nu["w"])), np.float64)
   assert _pair_error(np.asarray(back.mu["w"]), np.asarray(back.nu["w"]), want_m, want_v).all()
   jax.jit(tx.update)(_grads(params, 2), converted, params)
   with pytest.raises(ValueError, match="state_format"):

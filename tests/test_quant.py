@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from hypothesis import given, strategies as st
 
 from pallasopt.kernels import codecs, quant, rounding
@@ -138,10 +139,8 @@ def test_blockwise_error_is_within_the_map_bound(shape, seed, log_scale):
   assert q.codes.shape == shape and q.codes.dtype == jnp.int8
   assert q.scales.shape == quant.scales_shape(shape) and q.scales.dtype == jnp.float32
   absmax = _block_absmax(x)
-  scales = np.asarray(q.scales)
-  if quant.rows_hold_blocks(shape):  # (..., blocks per row, rows): back to flat block order
-    scales = np.swapaxes(scales, -1, -2)
-  np.testing.assert_array_equal(scales.ravel(), absmax)
+  # Every layout holds the scales in flat block order.
+  np.testing.assert_array_equal(np.asarray(q.scales).ravel(), absmax)
   block_absmax = np.repeat(absmax, quant.BLOCK)[: x.size]
   table = codecs.e3m4_map_values()
   normalised = np.where(block_absmax > 0, x.ravel() / np.where(block_absmax > 0, block_absmax, 1), 0)
@@ -151,9 +150,9 @@ def test_blockwise_error_is_within_the_map_bound(shape, seed, log_scale):
   np.testing.assert_array_less(err, bound + 1e-30)
 
 
-def test_scales_shape_puts_rows_of_whole_blocks_last_and_keeps_the_leading_dims():
-  assert quant.scales_shape((4096, 1024)) == (4, 4096)
-  assert quant.scales_shape((8, 3, 1024)) == (8, 4, 3)
+def test_scales_shape_keeps_the_moments_dims_with_the_last_counted_in_blocks():
+  assert quant.scales_shape((4096, 1024)) == (4096, 4)
+  assert quant.scales_shape((8, 3, 1024)) == (8, 3, 4)
   assert quant.scales_shape((1024,)) == (4,)
   assert quant.scales_shape((32, 12, 64)) == (32, 3)  # 12 * 64 = 3 blocks
   assert quant.scales_shape((1024, 128)) == (512,)
@@ -161,18 +160,37 @@ def test_scales_shape_puts_rows_of_whole_blocks_last_and_keeps_the_leading_dims(
   assert quant.scales_shape(()) == (1,)
 
 
-def test_scales_saved_in_the_old_layout_convert_or_fail_clearly():
+@pytest.mark.parametrize("shape,spec,sizes,whole", [
+    # MaxText's MLP output with the layer axis second, split over its columns.
+    ((5632, 2, 2048), P(None, None, "fsdp"), {"fsdp": 8}, True),
+    ((4096, 4096), P("fsdp", "tp"), {"fsdp": 2, "tp": 4}, True),
+    ((2, 2048, 5632), P(None, "fsdp", None), {"fsdp": 8}, True),
+    # Columns cut mid-block (128 per shard): the blocks axis stays whole.
+    ((4096, 1024), P(None, "tp"), {"tp": 8}, False),
+])
+def test_scales_split_under_their_params_spec_where_shards_hold_whole_blocks(
+    shape, spec, sizes, whole):
+  scales = quant.scales_spec(shape, spec, sizes, exact=False)
+  if whole:  # the param's own spec: the convention of trainers that reuse it works
+    assert scales == spec
+    assert quant.scales_spec(shape, spec, sizes, exact=True) == spec
+  else:
+    assert scales == P(*spec[:-1], None)
+    assert quant.scales_spec(shape, spec, sizes, exact=True) is None
+
+
+def test_scales_saved_in_the_transposed_layout_convert_or_fail_clearly():
   x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 1024)), jnp.float32)
   q = quant.quantize(x)
-  # Before 2026-11-25: (rows, blocks per row). Square here, so only the
-  # caller can say which layout it holds.
+  # From 2026-11-25 until 2026-12-07: (blocks per row, rows). Square here, so
+  # only the caller can say which layout it holds.
   old = quant.Int8Blockwise(q.codes, jnp.swapaxes(q.scales, -1, -2))
-  np.testing.assert_array_equal(quant.from_row_major_scales(old).scales, q.scales)
-  wide = quant.Int8Blockwise(jnp.zeros((8, 1024), jnp.int8), jnp.zeros((8, 4)))
-  with pytest.raises(ValueError, match=r"\(8, 4\) do not fit codes of shape \(8, 1024\).*legacy_scales=True"):
+  np.testing.assert_array_equal(quant.from_transposed_scales(old).scales, q.scales)
+  wide = quant.Int8Blockwise(jnp.zeros((8, 1024), jnp.int8), jnp.zeros((4, 8)))
+  with pytest.raises(ValueError, match=r"\(4, 8\) do not fit codes of shape \(8, 1024\).*legacy_scales=True"):
     quant.dequantize(wide)
   with pytest.raises(ValueError, match=r"expected \(4,\)"):
-    quant.from_row_major_scales(quant.Int8Blockwise(jnp.zeros((1024,), jnp.int8), jnp.zeros((5,))))
+    quant.from_transposed_scales(quant.Int8Blockwise(jnp.zeros((1024,), jnp.int8), jnp.zeros((5,))))
 
 
 def test_a_zero_block_has_scale_zero_and_decodes_to_zero():
