@@ -276,13 +276,14 @@ def optimizer_state_specs(
       equal-sized dims could have been removed, Adafactor's choice is used
       under ``v_row``/``v_col`` and the last such dim elsewhere;
     - any other leaf (Adafactor's ``(1,)`` placeholders) is replicated;
-    - a blockwise moment (``state_format="int8"`` or ``"fp8"``, any
-      `pallasopt.kernels.quant.Blockwise`): its codes take the param's spec,
-      its per-block scales the split the kernels run them in
-      (`pallasopt.kernels.quant.scales_spec`): like the param's leading dims
-      and rows, and like its columns where each shard of them holds whole
-      blocks of 256, which only the ``mesh`` tells (without one that axis is
-      whole, and a kernel on a column-sharded param gathers its scales).
+    - a blockwise moment (``state_format="int8"``, ``"fp8"`` or ``"int4"``,
+      any `pallasopt.kernels.quant.Blockwise`): its codes take the param's
+      spec, its per-block scales (the param's dims, the last counted in
+      blocks) the split the kernels run them in
+      (`pallasopt.kernels.quant.scales_spec`): the param's spec too where
+      each shard of its columns holds whole blocks of 256, which only the
+      ``mesh`` tells (without one the blocks axis is whole, and a kernel on a
+      column-sharded param gathers its scales).
 
   * A subtree holding, for each param, a list or tuple of arrays
     (``psgd_jax.kron``'s ``Qs_preconditioners``: one ``[d, d]`` or ``[d]``
