@@ -43,7 +43,7 @@ import numpy as np
 from pallasopt.kernels import _compat, codecs, quant
 from pallasopt.kernels._compat import pl, pltpu, pltriton
 from pallasopt.kernels._tiling import (
-    LANES, BlockPlan, leaf_view, plan_blocks, pow2_at_least, pow2_at_most,
+    LANES, BlockPlan, leaf_view, plan_blocks, pow2_at_least, pow2_at_most, tiled_in_place,
 )
 
 __all__ = [
@@ -126,7 +126,7 @@ def _kernel(
     scalar_ref, *refs, body: Body, num_scalars: int, num_operands: int, plan: BlockPlan,
     backend: str, block_inputs: frozenset[int], block_outputs: frozenset[int],
     nibble_inputs: frozenset[int], nibble_outputs: frozenset[int],
-    blockwise: bool, in_place: bool, with_index: bool,
+    blockwise: bool, in_place: bool, whole_row_scales: bool, with_index: bool,
 ):
   in_refs, out_refs = refs[:num_operands], refs[num_operands:]
   scalars = tuple(scalar_ref[k] for k in range(num_scalars))
@@ -188,20 +188,34 @@ def _kernel(
     return
 
   # TPU, a matrix's blocks in place: a loop over the runs of the block's rows.
-  # Per-block values are (runs, block_rows) blocks, one row per run.
+  # Per-block values are either (runs, block_rows) blocks, one row per run,
+  # or (block_rows, blocks per row) blocks, the rows' whole scales, which
+  # every column step of the rows reads and writes one column of.
+  if whole_row_scales:
+    lane = jax.lax.broadcasted_iota(jnp.int32, (block_rows, cols // quant.BLOCK), 1)
+
   def step(run, carry):
     cut = pl.ds(pl.multiple_of(run * width, width), width)
+    if whole_row_scales:
+      here = lane == col_block * runs + run
+
+    def per_block(r):
+      if whole_row_scales:
+        return jnp.sum(jnp.where(here, r[...].astype(jnp.float32), 0.0), axis=1, keepdims=True)
+      return _as_column(r[pl.ds(run, 1), :].astype(jnp.float32))
+
     blocks = [
-        _as_column(r[pl.ds(run, 1), :].astype(jnp.float32)) if i in block_inputs
-        else _value(r[:, cut])
+        per_block(r) if i in block_inputs else _value(r[:, cut])
         for i, r in enumerate(in_refs)
     ]
     for k, (ref, value) in enumerate(zip(out_refs, body(scalars, *blocks, **extra(run)),
                                          strict=True)):
-      if k in block_outputs:
-        ref[pl.ds(run, 1), :] = _as_row(value).astype(ref.dtype)
-      else:
+      if k not in block_outputs:
         ref[:, cut] = value.astype(ref.dtype)
+      elif whole_row_scales:
+        ref[...] = jnp.where(here, value.astype(ref.dtype), ref[...])
+      else:
+        ref[pl.ds(run, 1), :] = _as_row(value).astype(ref.dtype)
     return carry
 
   jax.lax.fori_loop(0, runs, step, 0)
@@ -339,21 +353,29 @@ def elementwise_call(
   bytes_view = (p, r, c // 2)
   byte_block = pl.BlockSpec((None, block_rows, block_cols // 2), lambda b, i, j: (b, i, j))
   # Per-block values are stored in the moment's own dims, the last counted in
-  # blocks (`quant.scales_shape`). A TPU kernel over a matrix in place reads
-  # them as rows, one per run of 256 columns, (P, blocks per row, R): the
-  # rows along the lanes, which Mosaic tiles without padding; XLA stores such
-  # a narrow (..., R, blocks per row) array column-major, so the swap costs
-  # no copy there. Every other kernel reads them in the stored order, one
-  # value per row of its block: (P, R, blocks per row) in place (Triton's
-  # blocks are one block wide), (P, R, 1) for rows of one block.
-  scales_as_rows = in_place and backend == "tpu"
+  # blocks (`quant.scales_shape`), and read in the order XLA stores them, so
+  # that no copy appears around the kernel. A TPU kernel over a matrix in
+  # place reads (P, blocks per row, R), one row per run of 256 columns, where
+  # XLA stores (..., R, blocks per row) column-major (a narrow array:
+  # `_tiling.tiled_in_place`), and otherwise the rows' whole scales,
+  # (block_rows, blocks per row), a column per run. Every other kernel reads
+  # them in the stored order, one value per row of its block: (P, R, blocks
+  # per row) in place (Triton's blocks are one block wide), (P, R, 1) for
+  # rows of one block.
+  blocks_per_row = c // quant.BLOCK
+  whole_row_scales = (
+      in_place and backend == "tpu" and tiled_in_place((r, blocks_per_row)))
+  scales_as_rows = in_place and backend == "tpu" and not whole_row_scales
   if scales_as_rows:
-    per_block_view = (p, c // quant.BLOCK, r)
+    per_block_view = (p, blocks_per_row, r)
     per_block = pl.BlockSpec(
         (None, block_cols // quant.BLOCK, block_rows), lambda b, i, j: (b, j, i)
     )
+  elif whole_row_scales:
+    per_block_view = (p, r, blocks_per_row)
+    per_block = pl.BlockSpec((None, block_rows, blocks_per_row), lambda b, i, j: (b, i, 0))
   elif in_place:
-    per_block_view = (p, r, c // quant.BLOCK)
+    per_block_view = (p, r, blocks_per_row)
     per_block = pl.BlockSpec(
         (None, block_rows, block_cols // quant.BLOCK), lambda b, i, j: (b, i, j)
     )
@@ -364,7 +386,7 @@ def elementwise_call(
 
   def to_view(x):
     if scales_as_rows:
-      return jnp.swapaxes(x.reshape(p, r, c // quant.BLOCK), -1, -2)
+      return jnp.swapaxes(x.reshape(p, r, blocks_per_row), -1, -2)
     return x.reshape(per_block_view)
 
   def from_view(x):
@@ -377,7 +399,8 @@ def elementwise_call(
       _kernel, body=body, num_scalars=len(scalars), num_operands=len(operands),
       plan=plan, backend=backend, block_inputs=block_inputs, block_outputs=block_outputs,
       nibble_inputs=nibble_inputs, nibble_outputs=nibble_outputs,
-      blockwise=blockwise, in_place=in_place, with_index=with_index,
+      blockwise=blockwise, in_place=in_place, whole_row_scales=whole_row_scales,
+      with_index=with_index,
   )
 
   def spec(k, per_block_set, nibble_set):
@@ -413,7 +436,10 @@ def elementwise_call(
       # Operand i is pallas_call input i + 1: input 0 is the scalar vector.
       input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
       compiler_params=_compat.compiler_params(
-          backend, ("parallel",) * 3, interpret=interpret,
+          # The rows' whole scales stay in VMEM while the column steps
+          # write them, one column each: those steps run in order.
+          backend, ("parallel", "parallel", "arbitrary" if whole_row_scales else "parallel"),
+          interpret=interpret,
           num_warps=_TRITON_BLOCKWISE_WARPS if blockwise else _TRITON_WARPS,
       ),
       interpret=interpret,

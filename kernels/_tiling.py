@@ -36,6 +36,7 @@ __all__ = [
     "leaf_view",
     "plan_blocks",
     "pow2_at_least",
+    "tiled_in_place",
     "pow2_at_most",
 ]
 
@@ -133,3 +134,27 @@ def plan_blocks(
   else:
     bc = min(pow2_at_least(c), budget if r == 1 else _TRITON_MAX_COLS)
   return BlockPlan(view, (min(pow2_at_least(r), max(1, budget // bc)), bc))
+
+
+def tiled_in_place(shape: tuple[int, ...]) -> bool:
+  """Whether XLA keeps a TPU leaf of ``shape`` row-major, as a kernel takes it.
+
+  XLA lays out an array so that its ``(8, 128)`` tiles waste the least: a
+  matrix whose last dim is not a multiple of 128 may get a column-major
+  layout, e.g. (4096, 4097) or blockwise scales (2048, 22) and (2048, 120),
+  where (2048, 121) and (2048, 125) stay row-major, and an array of three or more dims whose
+  second-last dim is not a multiple of 8 may get its dims permuted, e.g.
+  (4, 1001, 4096); a kernel would pay for either with a copy of every operand
+  and result. Vectors are tiled by 1024 elements and reach a kernel as they
+  are when they hold whole tiles. (Compiled for TPU v5e and v6e from this
+  host, jax 0.10.2.)
+  """
+  if len(shape) <= 1:
+    return math.prod(shape) % (8 * LANES) == 0
+  if len(shape) == 2:
+    rows, cols = shape
+    padded = lambda n, tile: -(-n // tile) * tile
+    return cols % LANES == 0 or (
+        padded(rows, 8) * padded(cols, LANES) <= padded(cols, 8) * padded(rows, LANES)
+    )
+  return shape[-1] % LANES == 0 and shape[-2] % 8 == 0

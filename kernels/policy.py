@@ -32,7 +32,7 @@ import jax
 from pallasopt import chips
 from pallasopt.kernels._elementwise import blocks_in_place
 from pallasopt.kernels._target import Target
-from pallasopt.kernels._tiling import LANES
+from pallasopt.kernels._tiling import tiled_in_place
 from pallasopt.kernels.ns_tiled import choose_regime
 
 __all__ = [
@@ -89,29 +89,6 @@ class Measured:
 # pay: at v5e's 819 GB/s the 28 B per element of fused f32 AdamW take ~2 us
 # for 2^16 elements, about the fixed cost of a kernel; XLA fuses such leaves.
 TPU_MIN_KERNEL_SIZE = 1 << 16
-
-
-def tiled_in_place(shape: tuple[int, ...]) -> bool:
-  """Whether XLA keeps a TPU leaf of ``shape`` row-major, as a kernel takes it.
-
-  XLA lays out an array so that its ``(8, 128)`` tiles waste the least: a
-  matrix whose last dim is not a multiple of 128 may get a column-major
-  layout, e.g. (4096, 4097), and an array of three or more dims whose
-  second-last dim is not a multiple of 8 may get its dims permuted, e.g.
-  (4, 1001, 4096); a kernel would pay for either with a copy of every operand
-  and result. Vectors are tiled by 1024 elements and reach a kernel as they
-  are when they hold whole tiles. (Compiled for TPU v5e and v6e from this
-  host, jax 0.10.2.)
-  """
-  if len(shape) <= 1:
-    return math.prod(shape) % (8 * LANES) == 0
-  if len(shape) == 2:
-    rows, cols = shape
-    padded = lambda n, tile: -(-n // tile) * tile
-    return cols % LANES == 0 or (
-        padded(rows, 8) * padded(cols, LANES) <= padded(cols, 8) * padded(rows, LANES)
-    )
-  return shape[-1] % LANES == 0 and shape[-2] % 8 == 0
 
 
 def _blockwise_update_pays(arrays: Sequence[jax.Array], target: Target) -> Choice:

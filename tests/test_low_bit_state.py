@@ -30,7 +30,9 @@ from helpers import (
     sds,
     tolerance,
 )
-from pallasopt.kernels import _elementwise, adamw as adamw_k, codecs, lion as lion_k, quant, rounding
+from pallasopt.kernels import (
+    _elementwise, _tiling, adamw as adamw_k, codecs, lion as lion_k, quant, rounding,
+)
 from pallasopt.optim import (
     DynamicInt8Blockwise, Fp8Blockwise, Int8Blockwise, Int8RatioBlockwise, RatioBlockwise,
     RootBlockwise,
@@ -193,12 +195,17 @@ def test_kernel_state_equals_reference_bit_for_bit(
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("shape", [(9, 2304), (3, 5632)], ids=str)
-def test_wide_rows_run_in_place_with_a_ragged_last_block(shape, fmt):
+@pytest.mark.parametrize(
+    "shape, scales_row_major", [((9, 2304), True), ((3, 5632), True), ((136, 2304), False)],
+    ids=str)
+def test_wide_rows_run_in_place_with_a_ragged_last_block(shape, scales_row_major, fmt):
   # Rows of 9 and 22 blocks: the TPU kernel reads them in place in runs of 8
   # blocks, the last run cut by the row's end (kernels._elementwise), as the
-  # reference computes them.
+  # reference computes them; their scales in either order XLA stores them
+  # in, the rows' whole scales or a (blocks, rows) view (136 rows: a ragged
+  # last block of rows too).
   assert _elementwise.blocks_in_place(shape)
+  assert _tiling.tiled_in_place(quant.scales_shape(shape)) == scales_row_major
   rng = np.random.default_rng(7)
   p, g = random_array(rng, shape, jnp.float32), random_array(rng, shape, jnp.float32)
   moments = _state(rng, shape, fmt, 2)
