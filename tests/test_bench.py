@@ -25,6 +25,7 @@ from bench import (
     cases_white_kron,
     harness,
     kernels,
+    maxtext,
     plot,
     records,
     timing,
@@ -540,3 +541,21 @@ def test_schedule_counts_each_bundle_once_per_trip_of_its_loops():
   # trips a grid step), one past its exit test.
   assert program_cycles(_BUNDLES) == 2 + 3 * 66 + 3 * 66 * 8
   assert program_cycles("no bundles here") == 0
+
+
+def test_maxtext_reads_the_adamw_kernels_of_a_compiled_step():
+  # Lines of a step compiled for a TPU v5e (backend configs cut): pallasopt's
+  # fused AdamW, and another Mosaic kernel of the step (MaxText's flash
+  # attention), which is not the optimizer's.
+  text = "\n".join([
+      '  %adamw_apply.1 = (f32[1,512,2048]{2,1,0:T(8,128)}, s8[1,512,2048]{2,1,0:T(32,128)(4,1)})'
+      ' custom-call(%stack.1, %bitcast.24), custom_call_target="tpu_custom_call",'
+      ' metadata={op_name="jit(apply_fn)/adamw_apply/pallas_call"}, backend_config="..."',
+      '  %splash.3 = f32[8,512,128]{2,1,0:T(8,128)} custom-call(%q, %k, %v),'
+      ' custom_call_target="tpu_custom_call",'
+      ' metadata={op_name="jit(train_step)/splash_mha_fwd/pallas_call"}, backend_config="..."',
+      '  %adamw_updates.2 = f32[1,256,32000]{2,1,0:T(8,128)} custom-call(%g),'
+      ' custom_call_target="tpu_custom_call",'
+      ' metadata={op_name="jit(train_step)/jvp/adamw_updates/pallas_call"}, backend_config="..."',
+  ])
+  assert maxtext.adamw_kernels(text) == ["f32[1,512,2048]", "f32[1,256,32000]"]
