@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import pathlib
 import re
 import sys
@@ -265,6 +266,32 @@ def _low_bit_libraries() -> tuple[str, list[pathlib.Path]]:
   return _table(header, rows), [path]
 
 
+def _maxtext() -> tuple[str, list[pathlib.Path]]:
+  path = RESULTS / "maxtext-train-compile.json"
+  rows = _record(path)["rows"]
+  optax_rows = {r["param_scan_axis"]: r for r in rows if r["optimizer"] == "optax"}
+  mib = lambda n: f"{n / 2**20:.0f} MiB"
+  table = []
+  for r in rows:
+    base = optax_rows[r["param_scan_axis"]]
+    name = ("`optax.adamw`" if r["optimizer"] == "optax"
+            else f"`pallasopt.optim.adamw`, `\"{r['state_format']}\"` state")
+    # Weight matrices: MaxText's stacked norm scales, (emb, layers), are vectors.
+    leaves = None if r["matrix_leaves"] is None else [
+        shape for shape in r["matrix_leaves"] if math.prod(shape) >= 1 << 16]
+    table.append([
+        str(r["param_scan_axis"]), name,
+        f"{mib(r['peak_bytes'])} ({_x(r['peak_bytes'] / base['peak_bytes'], 3)})",
+        f"{mib(r['argument_bytes'])} ({_x(r['argument_bytes'] / base['argument_bytes'])})",
+        mib(r["temp_bytes"]), _x(r["hbm_bytes"] / base["hbm_bytes"], 3),
+        "" if leaves is None else f"{len(r['adamw_kernels'])} of {len(leaves)}",
+        mib(r["relayout_bytes_over_1mib"]),
+    ])
+  header = ["`param_scan_axis`", "optimizer", "peak memory per chip", "params + state",
+            "temporaries", "HBM bytes", "weight matrices on the kernel", "relayouts of 1 MiB+"]
+  return _table(header, table), [path]
+
+
 def _caption(kind: str, paths: Sequence[pathlib.Path], what: str) -> str:
   return f"{what} {kind} Records: {_where(paths)}."
 
@@ -296,6 +323,9 @@ FIGURES: dict[str, tuple[Callable[[], tuple[str, list[pathlib.Path]]], str, str]
                              "decoder, median of 20 steps: time against Optax's AdamW in the "
                              "same form.", "Measured on an NVIDIA H100 80GB HBM3 (jax 0.11.2), "
                              "before int8 state moved to the e3m4 map."),
+    "maxtext": (_maxtext, "MaxText 0.2.5's own `train_compile` for a TPU v5e-8 (`python -m "
+                "bench.maxtext`): its compiled train step per chip, against Optax's AdamW at "
+                "the same `param_scan_axis`.", _PREDICTED),
     "low-bit-libraries": (_low_bit_libraries, "Largest single update / lr of each library's "
                           "low-bit AdamW on the same gradients (`python -m "
                           "bench.low_bit_libraries`: one 16 x 256 leaf; the spike test's "
