@@ -51,6 +51,7 @@ __all__ = [
     "bytes_moved",
     "scalar_input",
     "blocks_in_place",
+    "layers_inside",
 ]
 
 Body = Callable[..., Sequence[jax.Array]]
@@ -127,6 +128,8 @@ def _kernel(
     backend: str, block_inputs: frozenset[int], block_outputs: frozenset[int],
     nibble_inputs: frozenset[int], nibble_outputs: frozenset[int],
     blockwise: bool, in_place: bool, whole_row_scales: bool, with_index: bool,
+    stacked: bool = False, layer_major_inputs: frozenset[int] = frozenset(),
+    layer_major_outputs: frozenset[int] = frozenset(),
 ):
   in_refs, out_refs = refs[:num_operands], refs[num_operands:]
   scalars = tuple(scalar_ref[k] for k in range(num_scalars))
@@ -147,6 +150,20 @@ def _kernel(
 
   def extra(run):
     return {"index": (leading * rows + row) * cols + col(run)} if with_index else {}
+
+  if stacked:  # the view is (rows, layers, cols), blocked (block_rows, layers, block_cols)
+    def stacked_extra(layer, run):
+      if not with_index:
+        return {}
+      stack_row = leading * block_rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+      return {"index": (stack_row * rows + layer) * cols + col(run)}
+
+    _layers_inside_kernel(
+        scalars, in_refs, out_refs, body=body, extra=stacked_extra, layers=rows,
+        runs=block_cols // quant.BLOCK, block_inputs=block_inputs,
+        block_outputs=block_outputs, layer_major_inputs=layer_major_inputs,
+        layer_major_outputs=layer_major_outputs)
+    return
 
   if backend == "triton":
     # A Triton block is one run of `width` columns (`_plan`).
@@ -219,6 +236,63 @@ def _kernel(
     return carry
 
   jax.lax.fori_loop(0, runs, step, 0)
+
+
+def _layers_inside_kernel(
+    scalars, in_refs, out_refs, *, body: Body, extra: Callable, layers: int, runs: int,
+    block_inputs: frozenset[int], block_outputs: frozenset[int],
+    layer_major_inputs: frozenset[int], layer_major_outputs: frozenset[int],
+):
+  """TPU, a stack of a few layers in its stored order (`layers_inside`).
+
+  Each layer of the block is a (rows, runs x 256) matrix, walked in runs of
+  one block: f32 and bf16 operands are (rows, layers, cols) blocks, codes
+  (layers, rows, cols), per-block values (runs, layers, rows), one row of
+  the rows' values per run and layer.
+  """
+  for layer in range(layers):
+    def step(run, carry, layer=layer):
+      cut = pl.ds(pl.multiple_of(run * quant.BLOCK, quant.BLOCK), quant.BLOCK)
+
+      def load(i, r):
+        if i in block_inputs:
+          return _as_column(r[run, pl.ds(layer, 1), :].astype(jnp.float32))
+        return _value(r[layer, :, cut] if i in layer_major_inputs else r[:, layer, cut])
+
+      values = body(scalars, *(load(i, r) for i, r in enumerate(in_refs)), **extra(layer, run))
+      for k, (ref, value) in enumerate(zip(out_refs, values, strict=True)):
+        if k in block_outputs:
+          ref[run, pl.ds(layer, 1), :] = _as_row(value).astype(ref.dtype)
+        elif k in layer_major_outputs:
+          ref[layer, :, cut] = value.astype(ref.dtype)
+        else:
+          ref[:, layer, cut] = value.astype(ref.dtype)
+      return carry
+
+    jax.lax.fori_loop(0, runs, step, 0)
+
+
+# A TPU kernel over a stack of layers whose layer axis is second, e.g.
+# MaxText's (emb, layers, mlp) with its default param_scan_axis=1: XLA tiles
+# a (P, 2, C) f32 or bf16 array (2, 128) and puts the 2 outermost in 8-bit
+# and 4-bit codes, (2, P, C) tiled (32, 128) or (64, 128), and (P, 2,
+# blocks) scales with P innermost (compiled for v5e). The kernel reads each
+# in that order, 128 rows (the scales' lanes) by 1024 columns a grid step.
+_LAYERS_INSIDE = (2,)
+_LAYERS_INSIDE_ROWS = LANES
+_LAYERS_INSIDE_COLS = 1024
+
+
+def layers_inside(shape: tuple[int, ...]) -> bool:
+  """Whether a TPU kernel over blockwise state reads a stack of ``shape`` layer by layer.
+
+  A leaf of three or more dims whose second-last, the layers of a stack
+  scanned with its layer axis second, is 2, whose rows hold whole blocks
+  and whose leading dims hold whole multiples of 128 rows: the kernel reads
+  each operand in the order XLA stores it (`_layers_inside_kernel`).
+  """
+  return (len(shape) >= 3 and shape[-2] in _LAYERS_INSIDE and quant.rows_hold_blocks(shape)
+          and math.prod(shape[:-2]) % _LAYERS_INSIDE_ROWS == 0)
 
 
 # TPU blocks of a matrix read in place by a blockwise kernel: runs of 2048
@@ -383,13 +457,35 @@ def elementwise_call(
     per_block_view = (p, r, 1)
     per_block = pl.BlockSpec((None, block_rows, 1), lambda b, i, j: (b, i, 0))
   scales_layout = quant.scales_shape(shape)
+  grid = plan.grid
+  # A stack of a few layers (`layers_inside`): every operand in XLA's order.
+  stacked = backend == "tpu" and in_place and layers_inside(shape)
+  layer_major_inputs = frozenset(
+      i for i, x in enumerate(operands)
+      if stacked and i not in block_inputs and jnp.dtype(x.dtype).itemsize == 1)
+  layer_major_outputs = frozenset(
+      k for k, d in enumerate(out_dtypes)
+      if stacked and k not in block_outputs and jnp.dtype(d).itemsize == 1)
+  if stacked:
+    rows, cols = _LAYERS_INSIDE_ROWS, min(c, _LAYERS_INSIDE_COLS)
+    plan = BlockPlan(plan.shape, (rows, cols))
+    grid = (p // rows, 1, pl.cdiv(c, cols))
+    whole_row_scales = scales_as_rows = False
+    block = pl.BlockSpec((rows, r, cols), lambda b, i, j: (b, 0, j))
+    layer_major = pl.BlockSpec((r, rows, cols), lambda b, i, j: (0, b, j))
+    per_block_view = (blocks_per_row, r, p)
+    per_block = pl.BlockSpec((cols // quant.BLOCK, r, rows), lambda b, i, j: (j, 0, b))
 
   def to_view(x):
+    if stacked:
+      return jnp.transpose(x.reshape(p, r, blocks_per_row))
     if scales_as_rows:
       return jnp.swapaxes(x.reshape(p, r, blocks_per_row), -1, -2)
     return x.reshape(per_block_view)
 
   def from_view(x):
+    if stacked:
+      x = jnp.transpose(x)
     if scales_as_rows:
       x = jnp.swapaxes(x, -1, -2)
     return x.reshape(scales_layout)
@@ -400,17 +496,22 @@ def elementwise_call(
       plan=plan, backend=backend, block_inputs=block_inputs, block_outputs=block_outputs,
       nibble_inputs=nibble_inputs, nibble_outputs=nibble_outputs,
       blockwise=blockwise, in_place=in_place, whole_row_scales=whole_row_scales,
-      with_index=with_index,
+      with_index=with_index, stacked=stacked, layer_major_inputs=layer_major_inputs,
+      layer_major_outputs=layer_major_outputs,
   )
 
-  def spec(k, per_block_set, nibble_set):
-    return per_block if k in per_block_set else byte_block if k in nibble_set else block
+  def spec(k, per_block_set, nibble_set, layer_major_set):
+    if k in per_block_set:
+      return per_block
+    return byte_block if k in nibble_set else layer_major if k in layer_major_set else block
 
   def out_struct(k, dtype):
     if k in block_outputs:
       return jax.ShapeDtypeStruct(per_block_view, dtype)
     if k in nibble_outputs:
       return jax.ShapeDtypeStruct(bytes_view, jnp.uint8)
+    if k in layer_major_outputs:
+      return jax.ShapeDtypeStruct((r, p, c), dtype)
     return jax.ShapeDtypeStruct(plan.shape, dtype)
 
   def operand_view(k, x):
@@ -418,21 +519,26 @@ def elementwise_call(
       return to_view(x)
     if k in nibble_inputs:
       return codecs.as_bytes(x.reshape(plan.shape))
+    if k in layer_major_inputs:
+      return jnp.swapaxes(x.reshape(plan.shape), 0, 1)
     return x.reshape(plan.shape)
 
   def output(k, o):
     if k in block_outputs:
       return from_view(o)
+    if k in layer_major_outputs:
+      o = jnp.swapaxes(o, 0, 1)
     return (codecs.as_nibbles(o) if k in nibble_outputs else o).reshape(shape)
 
   blocks = size // quant.BLOCK if blockwise else 0
   call = pl.pallas_call(
       kernel,
       out_shape=[out_struct(k, d) for k, d in enumerate(out_dtypes)],
-      grid=plan.grid,
+      grid=grid,
       in_specs=[scalar_spec]
-      + [spec(k, block_inputs, nibble_inputs) for k in range(len(operands))],
-      out_specs=[spec(k, block_outputs, nibble_outputs) for k in range(len(out_dtypes))],
+      + [spec(k, block_inputs, nibble_inputs, layer_major_inputs) for k in range(len(operands))],
+      out_specs=[spec(k, block_outputs, nibble_outputs, layer_major_outputs)
+                 for k in range(len(out_dtypes))],
       # Operand i is pallas_call input i + 1: input 0 is the scalar vector.
       input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
       compiler_params=_compat.compiler_params(

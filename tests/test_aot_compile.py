@@ -435,6 +435,29 @@ def test_every_tpu_generation_takes_a_leaf_in_place(chip, tree):
   _assert_within_bounds(_bytes_rows(chip, tree))
 
 
+# MaxText's MLP on one chip of a v5e-8 in FSDP, its 2 layers scanned with the
+# layer axis second (param_scan_axis=1, its default): XLA tiles the params
+# (2, 128) and puts the layer axis outermost in the codes.
+_STACKED_MLP = {"wi": sds((256, 2, 5632)), "wo": sds((5632, 2, 256))}
+
+
+@pytest.mark.parametrize("chip, fmt", [
+    *((chip, "int8") for chip in TPU_TARGETS),
+    *((chip, fmt) for chip in ("v5e", "v6e") for fmt in ("fp8", "int4")),
+])
+def test_stacks_with_the_layer_axis_second_take_the_kernel_in_place(chip, fmt):
+  from pallasopt.compile_check import measure_step, relayouts_at_least
+
+  aot_targets.require(chip)
+  tx = pallasopt.optim.adamw(1e-3, weight_decay=0.1, state_format=fmt)
+  for fused in (True, False):
+    t = measure_step(tx, _STACKED_MLP, chip, fused=fused)
+    # Only wo's scales, (5632, 2, 1) per moment, cross copies (45 KiB each,
+    # 90 KiB where XLA fuses two): XLA lays out an array of one block per
+    # row apart from its codes.
+    assert t.kernels == 2 and relayouts_at_least(t, 128 << 10) == [], t
+
+
 # Adafactor's unfactored leaves (a side under min_dim_size_to_factor, a
 # vector, a stack of them) and its factored ones, and Muon's Newton-Schulz
 # and AdamW leaves, reach their kernels as XLA stores them.

@@ -219,6 +219,36 @@ def test_wide_rows_run_in_place_with_a_ragged_last_block(shape, scales_row_major
   _assert_same(got[1:], want[1:], "ragged wide rows")
 
 
+@pytest.mark.parametrize("family", ["adamw", "lion"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_stacks_with_the_layer_axis_second_run_layer_by_layer(family, fmt, param_dtype):
+  # MaxText's stacked layers (param_scan_axis=1): 128 rows x 2 layers x 5
+  # blocks, the TPU kernel reading each operand in XLA's order (codes layer
+  # first, scales rows last) in runs of 4 blocks, the last cut by the row's
+  # end; bf16 params round stochastically with each element's flat index.
+  shape = (128, 2, 1280)
+  assert _elementwise.layers_inside(shape) and not _tiling.tiled_in_place(shape)
+  rng = np.random.default_rng(11)
+  p, g = random_array(rng, shape, param_dtype), random_array(rng, shape, jnp.float32)
+  config = dict(mode="apply", decay=True, param_rounding="stochastic")
+  if family == "lion":
+    kernel, reference = lion_k.lion_kernel, lion_k.lion_reference
+    moments = _state(rng, shape, fmt, 1)
+    scalars = lion_k.lion_scalars(3e-3, 0.9, 0.99, 0.1)
+  else:
+    kernel, reference = adamw_k.adamw_kernel, adamw_k.adamw_reference
+    moments = _state(rng, shape, fmt, 2)
+    scalars = adamw_k.adamw_scalars(2, 3e-3, 0.9, 0.999, 1e-8, 0.0, 0.1)
+    config["nesterov"] = False
+  key = rounding.step_key(0, 2)
+  want = jax.jit(functools.partial(reference, **config))(p, g, *moments, scalars, key)
+  got = jax.jit(functools.partial(kernel, **config, backend="tpu", interpret=True))(
+      p, g, *moments, scalars, key)
+  assert_close(got[0], want[0], tolerance(got[0].dtype), operands=(p,))
+  _assert_same(got[1:], want[1:], "stacked layers")
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("shape", [(4096, 1024), (40, 256), (3, 5, 256)], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
