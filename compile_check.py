@@ -62,6 +62,7 @@ __all__ = [
     "compiled_kernels",
     "KernelResources",
     "compile_with_resources",
+    "ptx_dump_options",
     "Traffic",
     "traffic",
     "relayouts_at_least",
@@ -243,6 +244,16 @@ def _ptxas_report(text: str, kind: str) -> list[KernelResources]:
   ]
 
 
+def ptx_dump_options(dump_dir: str) -> dict[str, str]:
+  """Compiler options that make XLA dump a GPU module, each kernel's PTX included, to ``dump_dir``.
+
+  From jax 0.12 XLA writes the PTX of its emitters (Triton's included) only
+  where ``xla_dump_emitter_re`` matches them; 0.10 and 0.11 take the option
+  and wrote the PTX without it.
+  """
+  return {"xla_dump_to": dump_dir, "xla_dump_emitter_re": ".*"}
+
+
 def _triton_resources(dump_dir: str, compiled_text: str) -> list[KernelResources]:
   """``ptxas -v`` of the Triton kernels in the PTX an XLA dump holds."""
   names = set(re.findall(
@@ -332,7 +343,7 @@ def compile_with_resources(
     return compiled, tuple(_tpu_resources(compiled.as_text()))
   with tempfile.TemporaryDirectory() as dump:
     with _process_stdout() as mosaic_report, _environment("MOSAIC_GPU_DUMP_PTXAS", "1"):
-      compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+      compiled = lowered.compile(compiler_options=ptx_dump_options(dump))
     triton = _triton_resources(dump, compiled.as_text())
   return compiled, tuple(triton + _ptxas_report(mosaic_report.text, "mosaic_gpu"))
 

@@ -199,7 +199,7 @@ def _measure_gpu(label: str, target: str) -> dict:
   lowered = jax.jit(lambda *a: step(*a), donate_argnums=(0, 2)).lower(
       *(compile_check.on_device(a, target) for a in args))
   with tempfile.TemporaryDirectory() as dump:
-    compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+    compiled = lowered.compile(compiler_options=compile_check.ptx_dump_options(dump))
     launches = {}
     for sequence in pathlib.Path(dump).glob("*thunk_sequence.txt"):
       for name, *dims in _THUNK.findall(sequence.read_text()):
