@@ -35,6 +35,8 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+from bench import records
+
 __all__ = ["MODEL", "CASES", "maxtext_argv", "adamw_kernels", "run_case", "main"]
 
 # A Llama-shaped model MaxText's base.yml builds, small enough to compile on
@@ -165,8 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows.append(json.loads(results[-1]))
     print(rows[-1], flush=True)
   if args.json:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
+    commit, _ = records.code_commit()
     with open(args.json, "w") as f:
       json.dump({**_versions(), "commit": commit, "compiled_on": "cpu", "target": "TPU v5e-8",
                  "maxtext_args": list(MODEL), "rows": rows}, f, indent=1)

@@ -128,8 +128,7 @@ def _kernel(
     backend: str, block_inputs: frozenset[int], block_outputs: frozenset[int],
     nibble_inputs: frozenset[int], nibble_outputs: frozenset[int],
     blockwise: bool, in_place: bool, whole_row_scales: bool, with_index: bool,
-    stacked: bool = False, layer_major_inputs: frozenset[int] = frozenset(),
-    layer_major_outputs: frozenset[int] = frozenset(),
+    stacked: bool, layer_major_inputs: frozenset[int], layer_major_outputs: frozenset[int],
 ):
   in_refs, out_refs = refs[:num_operands], refs[num_operands:]
   scalars = tuple(scalar_ref[k] for k in range(num_scalars))
@@ -437,10 +436,28 @@ def elementwise_call(
   # per row) in place (Triton's blocks are one block wide), (P, R, 1) for
   # rows of one block.
   blocks_per_row = c // quant.BLOCK
-  whole_row_scales = (
-      in_place and backend == "tpu" and tiled_in_place((r, blocks_per_row)))
-  scales_as_rows = in_place and backend == "tpu" and not whole_row_scales
-  if scales_as_rows:
+  scales_layout = quant.scales_shape(shape)
+  grid = plan.grid
+  # A stack of a few layers (`layers_inside`): every operand in XLA's order.
+  stacked = backend == "tpu" and in_place and layers_inside(shape)
+  whole_row_scales = (in_place and backend == "tpu" and not stacked
+                      and tiled_in_place((r, blocks_per_row)))
+  scales_as_rows = in_place and backend == "tpu" and not stacked and not whole_row_scales
+  layer_major_inputs = frozenset(
+      i for i, x in enumerate(operands)
+      if stacked and i not in block_inputs and jnp.dtype(x.dtype).itemsize == 1)
+  layer_major_outputs = frozenset(
+      k for k, d in enumerate(out_dtypes)
+      if stacked and k not in block_outputs and jnp.dtype(d).itemsize == 1)
+  if stacked:
+    rows, cols = _LAYERS_INSIDE_ROWS, min(c, _LAYERS_INSIDE_COLS)
+    plan = BlockPlan(plan.shape, (rows, cols))
+    grid = (p // rows, 1, pl.cdiv(c, cols))
+    block = pl.BlockSpec((rows, r, cols), lambda b, i, j: (b, 0, j))
+    layer_major = pl.BlockSpec((r, rows, cols), lambda b, i, j: (0, b, j))
+    per_block_view = (blocks_per_row, r, p)
+    per_block = pl.BlockSpec((cols // quant.BLOCK, r, rows), lambda b, i, j: (j, 0, b))
+  elif scales_as_rows:
     per_block_view = (p, blocks_per_row, r)
     per_block = pl.BlockSpec(
         (None, block_cols // quant.BLOCK, block_rows), lambda b, i, j: (b, j, i)
@@ -456,25 +473,6 @@ def elementwise_call(
   else:
     per_block_view = (p, r, 1)
     per_block = pl.BlockSpec((None, block_rows, 1), lambda b, i, j: (b, i, 0))
-  scales_layout = quant.scales_shape(shape)
-  grid = plan.grid
-  # A stack of a few layers (`layers_inside`): every operand in XLA's order.
-  stacked = backend == "tpu" and in_place and layers_inside(shape)
-  layer_major_inputs = frozenset(
-      i for i, x in enumerate(operands)
-      if stacked and i not in block_inputs and jnp.dtype(x.dtype).itemsize == 1)
-  layer_major_outputs = frozenset(
-      k for k, d in enumerate(out_dtypes)
-      if stacked and k not in block_outputs and jnp.dtype(d).itemsize == 1)
-  if stacked:
-    rows, cols = _LAYERS_INSIDE_ROWS, min(c, _LAYERS_INSIDE_COLS)
-    plan = BlockPlan(plan.shape, (rows, cols))
-    grid = (p // rows, 1, pl.cdiv(c, cols))
-    whole_row_scales = scales_as_rows = False
-    block = pl.BlockSpec((rows, r, cols), lambda b, i, j: (b, 0, j))
-    layer_major = pl.BlockSpec((r, rows, cols), lambda b, i, j: (0, b, j))
-    per_block_view = (blocks_per_row, r, p)
-    per_block = pl.BlockSpec((cols // quant.BLOCK, r, rows), lambda b, i, j: (j, 0, b))
 
   def to_view(x):
     if stacked:
